@@ -1,0 +1,1 @@
+"""Retrievers (the plug-in point), FAISS indexes, and Plackett-Luce sampling / LM-supervised credit."""

@@ -22,7 +22,8 @@ class Retriever(nn.Module, ABC):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("_version", torch.zeros((), dtype=torch.long), persistent=True)
+        # Not "_version": nn.Module uses that class attribute for state_dict versioning.
+        self.register_buffer("_update_count", torch.zeros((), dtype=torch.long), persistent=True)
 
     # ---- corpus -------------------------------------------------------------------------------
     @property
@@ -70,11 +71,11 @@ class Retriever(nn.Module, ABC):
     @property
     def version(self) -> int:
         """Number of query-encoder updates applied so far (recorded in every rollout batch)."""
-        return int(self._version.item())
+        return int(self._update_count.item())
 
     def bump_version(self) -> None:
         """Called by the trainer after each optimiser step on :attr:`query_encoder`."""
-        self._version += 1
+        self._update_count += 1
 
     def fingerprint(self) -> str:
         """Identifies the passage side (corpus + passage encoder); an index built under another is stale."""

@@ -1,0 +1,318 @@
+"""Update schedules for the policy θ, the retriever query encoder φ and its reference copy ψ.
+
+One :class:`Solver` per ``mode`` (METHOD.md sections 4-5). Solvers only see a :class:`BilevelProblem`
+(losses on the current rollout batch) and :class:`ParamUpdate` objects (one optimizer each), so the
+same update rule runs the LLM/retriever problem in :mod:`bridge_pl.module` and the closed-form toy
+problem of METHOD.md section 8 in the tests. The module never branches on the mode.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class BilevelProblem(Protocol):
+    """Losses on one training iteration's data.
+
+    Upper level F(θ, φ) (the RL objective), lower level G(θ, φ) (the retriever's LM-supervised loss).
+    """
+
+    def policy_parameters(self) -> list[torch.Tensor]:
+        """θ."""
+
+    def phi_parameters(self) -> list[torch.Tensor]:
+        """φ (the query encoder in use)."""
+
+    def policy_loss(self) -> torch.Tensor:
+        """F as a function of θ (clipped surrogate + penalties)."""
+
+    def retriever_upper_loss(self) -> torch.Tensor:
+        """F as a function of φ (policy-gradient credit for the retrieved lists)."""
+
+    def lower_loss(self, encoder: str, detach_teacher: bool = True) -> torch.Tensor:
+        """G(θ, φ) for ``encoder="phi"`` or G(θ, ψ) for ``"psi"``; the teacher Q(θ) detached unless told."""
+
+    def coupling_loss(self, lam: float) -> torch.Tensor:
+        """A scalar whose θ-gradient is λ (∇θ G(θ, φ) − ∇θ G(θ, ψ)), using the same samples for both."""
+
+
+@dataclass
+class ParamUpdate:
+    """One optimizer and how a step is taken with it.
+
+    Args:
+        optimizer: built over the parameters this update owns.
+        backward: how to backpropagate a loss (Lightning's ``manual_backward`` in the module).
+        clip_norm: max global grad norm for this optimizer's parameters (None: no clipping).
+        on_step: called after every step (e.g. bump the retriever version).
+    """
+
+    optimizer: torch.optim.Optimizer
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+    clip_norm: float | None = None
+    on_step: Callable[[], None] | None = None
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def step(self, loss: torch.Tensor, lr_scale: float = 1.0) -> float:
+        """Backward ``loss``, clip, step with learning rates scaled by ``lr_scale``; returns the grad norm."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.backward(loss)
+        return self.apply_grads(lr_scale)
+
+    def apply_grads(self, lr_scale: float = 1.0) -> float:
+        """Clip and step on gradients already in ``.grad``; returns the grad norm before clipping."""
+        grads = [p for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(grads, self.clip_norm or float("inf")) if grads else torch.zeros(())
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * lr_scale
+        self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.on_step is not None:
+            self.on_step()
+        return float(norm)
+
+
+@dataclass
+class Updates:
+    """The optimizers a solver may use. ``phi``/``psi`` are None when the retriever does not train."""
+
+    policy: ParamUpdate
+    phi: ParamUpdate | None = None
+    psi: ParamUpdate | None = None
+
+
+class Solver(ABC):
+    """One training iteration's updates, in the order the mode prescribes.
+
+    Args:
+        phi_steps: inner steps on φ per iteration (K_φ).
+        psi_steps: inner steps on ψ per iteration (K_ψ; ``bridge`` only).
+        policy_epochs: passes of the policy update over the rollout batch.
+    """
+
+    name: str = ""
+    trains_retriever: bool = True
+    needs_psi: bool = False
+
+    def __init__(self, phi_steps: int = 1, psi_steps: int = 1, policy_epochs: int = 1) -> None:
+        self.phi_steps = phi_steps
+        self.psi_steps = psi_steps
+        self.policy_epochs = policy_epochs
+
+    @abstractmethod
+    def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        """Run one iteration; returns scalars to log."""
+
+    def _policy_steps(self, problem: BilevelProblem, updates: Updates, extra=None) -> dict[str, float]:
+        logs: dict[str, float] = {}
+        for _ in range(self.policy_epochs):
+            loss = problem.policy_loss()
+            if extra is not None:
+                loss = loss + extra()
+            logs["loss/policy"] = float(loss.detach())
+            logs["grad_norm/policy"] = updates.policy.step(loss)
+        return logs
+
+    def _phi_steps_on_lower(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        assert updates.phi is not None
+        logs: dict[str, float] = {}
+        for _ in range(self.phi_steps):
+            loss = problem.lower_loss("phi")
+            logs["loss/retriever_G"] = float(loss.detach())
+            logs["grad_norm/phi"] = updates.phi.step(loss)
+        return logs
+
+    def state_dict(self) -> dict[str, float]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+
+
+class FrozenSolver(Solver):
+    """``frozen`` (Search-R1): the retriever is fixed; policy RL only."""
+
+    name = "frozen"
+    trains_retriever = False
+
+    def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        return self._policy_steps(problem, updates)
+
+
+class PolicyFirstSolver(Solver):
+    """``policy_first``: a θ step, then φ steps on G."""
+
+    name = "policy_first"
+
+    def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        logs = self._policy_steps(problem, updates)
+        logs.update(self._phi_steps_on_lower(problem, updates))
+        return logs
+
+
+class RetrieverFirstSolver(Solver):
+    """``retriever_first``: φ steps on G, then a θ step (the order METHOD.md section 1 finds better)."""
+
+    name = "retriever_first"
+
+    def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        logs = self._phi_steps_on_lower(problem, updates)
+        logs.update(self._policy_steps(problem, updates))
+        return logs
+
+
+class PenaltySchedule:
+    """λ_t of the penalty method: starts at ``init``, grows by ``delta`` per iteration, capped at ``max``."""
+
+    def __init__(self, init: float = 1.0, delta: float = 0.0, max: float = float("inf")) -> None:  # noqa: A002
+        if init < 0 or delta < 0 or max < init:
+            raise ValueError(f"penalty schedule needs 0 <= init <= max and delta >= 0, got {init}, {delta}, {max}")
+        self.value = init
+        self.delta = delta
+        self.max = max
+
+    def advance(self) -> None:
+        self.value = min(self.max, self.value + self.delta)
+
+
+class BridgeSolver(Solver):
+    """``bridge``: first-order penalty bilevel step (METHOD.md section 4; F2SA / V-PBGD family).
+
+    Per iteration: K_ψ steps of ψ on G; K_φ steps of φ on F + λG with step size scaled by 1/(1+λ);
+    policy steps on F plus the coupling term λ(∇θG(θ,φ) − ∇θG(θ,ψ)); then λ ← min(λ_max, λ + δ).
+
+    Args:
+        lam_init, lam_delta, lam_max: the penalty schedule.
+    """
+
+    name = "bridge"
+    needs_psi = True
+
+    def __init__(
+        self,
+        phi_steps: int = 1,
+        psi_steps: int = 1,
+        policy_epochs: int = 1,
+        lam_init: float = 1.0,
+        lam_delta: float = 0.0,
+        lam_max: float = 10.0,
+    ) -> None:
+        super().__init__(phi_steps, psi_steps, policy_epochs)
+        self.lam = PenaltySchedule(lam_init, lam_delta, lam_max)
+
+    def inner_steps(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        """The lower-level (ψ) and retriever-first (φ) steps of one iteration."""
+        assert updates.phi is not None and updates.psi is not None
+        lam = self.lam.value
+        logs: dict[str, float] = {}
+        for _ in range(self.psi_steps):
+            loss = problem.lower_loss("psi")
+            logs["loss/retriever_G_psi"] = float(loss.detach())
+            logs["grad_norm/psi"] = updates.psi.step(loss)
+        for _ in range(self.phi_steps):
+            lower = problem.lower_loss("phi")
+            loss = problem.retriever_upper_loss() + lam * lower
+            logs["loss/retriever_G"] = float(lower.detach())
+            logs["loss/retriever_penalised"] = float(loss.detach())
+            logs["grad_norm/phi"] = updates.phi.step(loss, lr_scale=1.0 / (1.0 + lam))
+        return logs
+
+    def hypergradient(self, problem: BilevelProblem) -> list[torch.Tensor]:
+        """The first-order θ-gradient estimate ∇θF + λ(∇θG(θ,φ) − ∇θG(θ,ψ)) at the current φ, ψ."""
+        params = problem.policy_parameters()
+        loss = problem.policy_loss() + problem.coupling_loss(self.lam.value)
+        return list(torch.autograd.grad(loss, params))
+
+    def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        logs = self.inner_steps(problem, updates)
+        lam = self.lam.value
+        logs.update(self._policy_steps(problem, updates, extra=lambda: problem.coupling_loss(lam)))
+        logs["lambda"] = lam
+        self.lam.advance()
+        return logs
+
+    def state_dict(self) -> dict[str, float]:
+        return {"lambda": self.lam.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.lam.value = float(state["lambda"])
+
+
+class ImplicitSolver(Solver):
+    """``implicit``: second-order reference (implicit differentiation through the retriever).
+
+    φ is the lower-level variable: K_φ steps on G approximate φ*(θ). The policy then steps on the
+    hypergradient ∇θF − ∇²θφG [∇²φφG]⁻¹ ∇φF, with the inverse-Hessian-vector product approximated by a
+    Neumann series of Hessian-vector products: H⁻¹v ≈ η Σ_{j<J} (I − ηH)^j v.
+
+    Args:
+        neumann_steps: J, terms of the series.
+        neumann_lr: η; needs η < 2/λ_max(H) to converge.
+    """
+
+    name = "implicit"
+
+    def __init__(
+        self, phi_steps: int = 1, policy_epochs: int = 1, neumann_steps: int = 5, neumann_lr: float = 0.1
+    ) -> None:
+        super().__init__(phi_steps, 0, policy_epochs)
+        self.neumann_steps = neumann_steps
+        self.neumann_lr = neumann_lr
+
+    def inverse_hvp(self, problem: BilevelProblem, vector: list[torch.Tensor]) -> list[torch.Tensor]:
+        """≈ [∇²φφ G]⁻¹ ``vector`` by the Neumann series (HVPs through the retriever only)."""
+        phi = problem.phi_parameters()
+        grads = torch.autograd.grad(problem.lower_loss("phi"), phi, create_graph=True)
+        term = [v.detach().clone() for v in vector]
+        total = [t.clone() for t in term]
+        for _ in range(self.neumann_steps):
+            hvp = torch.autograd.grad(grads, phi, grad_outputs=term, retain_graph=True)
+            term = [t - self.neumann_lr * h for t, h in zip(term, hvp)]
+            total = [s + t for s, t in zip(total, term)]
+        return [self.neumann_lr * s for s in total]
+
+    def correction_loss(self, problem: BilevelProblem) -> torch.Tensor:
+        """A scalar whose θ-gradient is −∇²θφG · [∇²φφG]⁻¹ ∇φF."""
+        phi = problem.phi_parameters()
+        v = torch.autograd.grad(problem.retriever_upper_loss(), phi, allow_unused=True)
+        v = [torch.zeros_like(p) if g is None else g for p, g in zip(phi, v)]
+        p = self.inverse_hvp(problem, v)
+        grads = torch.autograd.grad(problem.lower_loss("phi", detach_teacher=False), phi, create_graph=True)
+        return -sum((g * q).sum() for g, q in zip(grads, p))
+
+    def hypergradient(self, problem: BilevelProblem) -> list[torch.Tensor]:
+        params = problem.policy_parameters()
+        loss = problem.policy_loss() + self.correction_loss(problem)
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+    def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        logs = self._phi_steps_on_lower(problem, updates)
+        logs.update(self._policy_steps(problem, updates, extra=lambda: self.correction_loss(problem)))
+        return logs
+
+
+SOLVERS: dict[str, type[Solver]] = {
+    cls.name: cls for cls in (FrozenSolver, PolicyFirstSolver, RetrieverFirstSolver, BridgeSolver, ImplicitSolver)
+}
+
+
+def make_solver(mode: str, **kwargs) -> Solver:
+    """The solver for ``mode``. Settings the chosen solver does not use (λ in ``frozen``) are ignored."""
+    if mode not in SOLVERS:
+        raise ValueError(f"model.mode must be one of {sorted(SOLVERS)}, got '{mode}'")
+    import inspect
+
+    cls = SOLVERS[mode]
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    return cls(**{k: v for k, v in kwargs.items() if k in accepted})

@@ -1,0 +1,376 @@
+"""The built-in synthetic world: a seeded encyclopedia of fictional entities and questions about it.
+
+Every fact lives only in the world's passages (invented, pronounceable names), so a pretrained LM cannot
+answer from memory and must search. Entities: countries (capital, currency), cities (country, river,
+founding year), people (birthplace, birth year, profession, workplace, mentor) and organisations
+(founder, seat, founding year). Each entity has a short encyclopedic lead passage titled with its name;
+about half the people also have a "career" passage (same title) that mentions them without their
+birth facts.
+
+Distractors are built in so an untrained dense retriever is far from perfect but can learn: people
+share first names and surnames, cities come in families with a shared stem (Velmar / Velmin),
+and many passages mention an entity without stating the asked fact (career passages, mentors,
+organisation founders, people born in or working in a city).
+
+Questions (``metadata["type"]``):
+
+- ``single``: one hop, e.g. "In which city was Zorvan Keldt born?"
+- ``bridge``: two hops, e.g. "In which country is the birthplace of Zorvan Keldt?" (person, then city)
+- ``comparison``: two passages, e.g. "Who was born earlier, A or B?"; the answer is one of the names.
+
+``metadata`` also holds ``gold_passages`` (per hop, a list of passage ids), ``hops`` (the entity
+name per hop) and ``hop_queries`` (per hop, the search query one would issue: the question itself for
+the first hop of single/bridge questions, "<entity> <relation>" otherwise).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bridge_pl.data.qa import Passage, QAExample, write_corpus, write_qa
+
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr",
+           "st", "th", "sh")
+_VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ei")
+_INNER_CODAS = ("", "", "", "r", "l", "n")  # inside a word: keep syllables light
+_CODAS = ("", "n", "r", "l", "s", "m", "th", "nd", "rk", "lt", "x")  # end of a word
+_ENDINGS = ("ar", "in", "ora", "ek", "ista", "ovo", "unde", "ath", "elle", "ak")
+_PROFESSIONS = ("painter", "architect", "composer", "chemist", "sculptor", "poet", "astronomer",
+                "engineer", "botanist", "cartographer", "historian", "physician")
+_ORG_KINDS = {"Society": "learned society", "Guild": "craft guild", "Institute": "research institute",
+              "Company": "trading company", "Academy": "school", "Foundation": "charitable foundation"}
+
+
+class _Namer:
+    """Unique invented words. One namer per world, so no word names two entities of different kinds."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.used: set[str] = set()  # membership only; never iterated (keeps the output seed-stable)
+
+    def _syllable(self, final: bool = True) -> str:
+        codas = _CODAS if final else _INNER_CODAS
+        return self.rng.choice(_ONSETS) + self.rng.choice(_VOWELS) + self.rng.choice(codas)
+
+    def _claim(self, make: Callable[[], list[str]]) -> list[str]:
+        """Call ``make`` until it returns words that are all new (length >= 4), and reserve them."""
+        while True:
+            words = [w.capitalize() for w in make()]
+            if all(len(w) >= 4 and w not in self.used for w in words) and len(set(words)) == len(words):
+                self.used.update(words)
+                return words
+
+    def word(self, syllables: int = 2) -> str:
+        return self._claim(
+            lambda: ["".join(self._syllable(final=i == syllables - 1) for i in range(syllables))]
+        )[0]
+
+    def stem_family(self, size: int) -> list[str]:
+        """``size`` words sharing a stem, e.g. Velmar, Velmin, Velmora."""
+
+        def make() -> list[str]:
+            stem = self._syllable(final=False) + self.rng.choice(_ONSETS)
+            return [stem + e for e in self.rng.sample(_ENDINGS, size)]
+
+        return self._claim(make)
+
+
+@dataclass(frozen=True)
+class _Country:
+    name: str
+    capital: str
+    currency: str
+
+
+@dataclass(frozen=True)
+class _City:
+    name: str
+    country: str
+    river: str
+    founded: int
+
+
+@dataclass(frozen=True)
+class _Person:
+    name: str
+    first: str
+    last: str
+    born_in: str
+    year: int
+    profession: str
+    pronoun: str
+    works_in: str
+
+
+@dataclass(frozen=True)
+class _Org:
+    name: str
+    kind: str
+    founder: str
+    city: str
+    founded: int
+
+
+@dataclass
+class World:
+    """A generated world: the corpus and three question splits with disjoint question texts."""
+
+    corpus: list[Passage]
+    train: list[QAExample]
+    dev: list[QAExample]
+    test: list[QAExample]
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class _Q:
+    """A question before ids are assigned; gold passages are given as passage keys (see _Passages)."""
+
+    type: str
+    question: str
+    answer: str
+    gold: tuple[str, ...]
+    hops: tuple[str, ...]
+    hop_queries: tuple[str, ...]
+
+
+def _entities(rng: random.Random, n_countries: int, n_cities: int, n_people: int, n_orgs: int):
+    namer = _Namer(rng)
+    rivers = [namer.word() for _ in range(max(2, n_cities // 4))]
+    city_names: list[str] = []
+    while len(city_names) < n_cities:
+        city_names += namer.stem_family(min(rng.choice((2, 3)), n_cities - len(city_names)))
+    rng.shuffle(city_names)
+    country_names = [namer.word(rng.choice((2, 3))) for _ in range(n_countries)]
+    # The first cities go round-robin so that every country has at least one city (its capital).
+    cities = [
+        _City(name, country_names[i] if i < n_countries else rng.choice(country_names),
+              rng.choice(rivers), rng.randrange(900, 1800))
+        for i, name in enumerate(city_names)
+    ]
+    countries = [
+        _Country(name, rng.choice([c.name for c in cities if c.country == name]), namer.word().lower())
+        for name in country_names
+    ]
+    # Small name pools, so that first names and surnames are shared by several people.
+    firsts = [namer.word() for _ in range(max(2, n_people // 5))]
+    lasts = [namer.word(rng.choice((1, 2))) for _ in range(max(2, n_people // 4))]
+    people: list[_Person] = []
+    names: set[str] = set()
+    while len(people) < n_people:
+        first, last = rng.choice(firsts), rng.choice(lasts)
+        if f"{first} {last}" in names:
+            continue
+        names.add(f"{first} {last}")
+        born, works = rng.sample(cities, 2)
+        people.append(_Person(f"{first} {last}", first, last, born.name, rng.randrange(1780, 1990),
+                              rng.choice(_PROFESSIONS), rng.choice(("He", "She")), works.name))
+    founders = rng.sample(people, min(n_orgs, n_people))
+    orgs = []
+    for founder in founders:
+        kind = rng.choice(list(_ORG_KINDS))
+        orgs.append(_Org(f"{namer.word()} {kind}", kind, founder.name, founder.works_in,
+                         founder.year + rng.randrange(25, 50)))
+    return countries, cities, people, orgs
+
+
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article."""
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
+
+
+def _passages(rng: random.Random, countries, cities, people, orgs) -> dict[str, Passage]:
+    """Passages keyed by ``"<kind>:<entity>"``; ids are assigned later, after shuffling."""
+    out: dict[str, Passage] = {}
+
+    def add(key: str, title: str, *variants: str) -> None:
+        out[key] = Passage(id="", title=title, text=rng.choice(variants))
+
+    for c in countries:
+        add(f"country:{c.name}", c.name,
+            f"{c.name} is a country whose capital is {c.capital}. Its currency is the {c.currency}.",
+            f"The {c.currency} is the currency of {c.name}, a country with its capital at {c.capital}.")
+    for c in cities:
+        add(f"city:{c.name}", c.name,
+            f"{c.name} is a city in {c.country}, on the river {c.river}. It was founded in {c.founded}.",
+            f"Founded in {c.founded}, {c.name} is a town of {c.country} lying on the river {c.river}.")
+    for p in people:
+        add(f"bio:{p.name}", p.name,
+            f"{p.name} is {_a(p.profession)} born in {p.born_in} in {p.year}.",
+            f"{p.name} (born {p.year} in {p.born_in}) is {_a(p.profession)}.",
+            f"Born in {p.born_in} in {p.year}, {p.name} became a well-known {p.profession}.")
+    founded = {o.founder: o for o in orgs}
+    for p in people:
+        org = founded.get(p.name)
+        if org is None and rng.random() < 0.5:
+            continue
+        mentor = rng.choice(people)
+        start = p.year + rng.randrange(20, 30)
+        work = f"{p.name} worked as {_a(p.profession)} in {p.works_in} from {start}"
+        work += f", where {p.pronoun.lower()} founded the {org.name}." if org else "."
+        mentored = "" if mentor is p else f" {p.pronoun} studied under {mentor.name}."
+        add(f"career:{p.name}", p.name, work + mentored)
+    for o in orgs:
+        add(f"org:{o.name}", o.name,
+            f"The {o.name} is {_a(_ORG_KINDS[o.kind])} based in {o.city}. It was founded in {o.founded} "
+            f"by {o.founder}.",
+            f"Founded by {o.founder} in {o.founded}, the {o.name} is {_a(_ORG_KINDS[o.kind])} in {o.city}.")
+    return out
+
+
+def _single(q: str, answer: str, key: str, entity: str) -> _Q:
+    return _Q("single", q, answer, (key,), (entity,), (q,))
+
+
+def _bridge(q: str, answer: str, keys: tuple[str, str], hops: tuple[str, str], query2: str) -> _Q:
+    return _Q("bridge", q, answer, keys, hops, (q, query2))
+
+
+def _questions(rng: random.Random, countries, cities, people, orgs) -> dict[str, list[_Q]]:
+    city = {c.name: c for c in cities}
+    country = {c.name: c for c in countries}
+    person = {p.name: p for p in people}
+    single: list[_Q] = []
+    bridge: list[_Q] = []
+    for p in people:
+        bio, c = f"bio:{p.name}", city[p.born_in]
+        single += [
+            _single(f"In which city was {p.name} born?", p.born_in, bio, p.name),
+            _single(f"In which year was {p.name} born?", str(p.year), bio, p.name),
+            _single(f"What is the profession of {p.name}?", p.profession, bio, p.name),
+        ]
+        keys, hops = (bio, f"city:{c.name}"), (p.name, c.name)
+        bridge += [
+            _bridge(f"In which country is the birthplace of {p.name}?", c.country, keys, hops,
+                    f"{c.name} country"),
+            _bridge(f"On which river lies the city where {p.name} was born?", c.river, keys, hops,
+                    f"{c.name} river"),
+            _bridge(f"In which year was the birthplace of {p.name} founded?", str(c.founded), keys, hops,
+                    f"{c.name} founded"),
+        ]
+    for c in cities:
+        key, k = f"city:{c.name}", country[c.country]
+        single += [
+            _single(f"In which country is {c.name}?", c.country, key, c.name),
+            _single(f"On which river does {c.name} lie?", c.river, key, c.name),
+            _single(f"In which year was {c.name} founded?", str(c.founded), key, c.name),
+        ]
+        keys, hops = (key, f"country:{k.name}"), (c.name, k.name)
+        bridge.append(_bridge(f"What is the currency of the country where {c.name} lies?", k.currency,
+                              keys, hops, f"{k.name} currency"))
+        if k.capital != c.name:
+            bridge.append(_bridge(f"What is the capital of the country where {c.name} lies?", k.capital,
+                                  keys, hops, f"{k.name} capital"))
+    for k in countries:
+        key = f"country:{k.name}"
+        single += [
+            _single(f"What is the capital of {k.name}?", k.capital, key, k.name),
+            _single(f"What is the currency of {k.name}?", k.currency, key, k.name),
+        ]
+    for o in orgs:
+        key, f, c = f"org:{o.name}", person[o.founder], city[o.city]
+        single += [
+            _single(f"Who founded the {o.name}?", o.founder, key, o.name),
+            _single(f"In which city is the {o.name} based?", o.city, key, o.name),
+            _single(f"In which year was the {o.name} founded?", str(o.founded), key, o.name),
+        ]
+        keys, hops = (key, f"bio:{f.name}"), (o.name, f.name)
+        bridge += [
+            _bridge(f"In which city was the founder of the {o.name} born?", f.born_in, keys, hops,
+                    f"{f.name} birthplace"),
+            _bridge(f"In which year was the founder of the {o.name} born?", str(f.year), keys, hops,
+                    f"{f.name} born"),
+            _bridge(f"In which country is the city where the {o.name} is based?", c.country,
+                    (key, f"city:{c.name}"), (o.name, c.name), f"{c.name} country"),
+        ]
+    return {"single": single, "bridge": bridge, "comparison": _comparisons(rng, cities, people)}
+
+
+def _comparisons(rng: random.Random, cities, people) -> list[_Q]:
+    """Every unordered pair at most once; half the people pairs share a first name or surname."""
+    out: dict[frozenset[str], _Q] = {}
+    by_name: dict[str, list[_Person]] = {}
+    for p in people:
+        by_name.setdefault(p.first, []).append(p)
+        by_name.setdefault(p.last, []).append(p)
+    groups = [g for g in by_name.values() if len(g) > 1]
+    for _ in range(2 * len(people)):
+        a, b = rng.sample(rng.choice(groups), 2) if rng.random() < 0.5 and groups else rng.sample(people, 2)
+        if a.year != b.year and frozenset((a.name, b.name)) not in out:
+            out[frozenset((a.name, b.name))] = _Q(
+                "comparison", f"Who was born earlier, {a.name} or {b.name}?",
+                a.name if a.year < b.year else b.name, (f"bio:{a.name}", f"bio:{b.name}"),
+                (a.name, b.name), (f"{a.name} born", f"{b.name} born"))
+    for _ in range(len(cities)):
+        a, b = rng.sample(cities, 2)
+        if a.founded != b.founded and frozenset((a.name, b.name)) not in out:
+            out[frozenset((a.name, b.name))] = _Q(
+                "comparison", f"Which city was founded earlier, {a.name} or {b.name}?",
+                a.name if a.founded < b.founded else b.name, (f"city:{a.name}", f"city:{b.name}"),
+                (a.name, b.name), (f"{a.name} founded", f"{b.name} founded"))
+    return list(out.values())
+
+
+def build_world(
+    seed: int = 0,
+    n_people: int = 300,
+    n_cities: int = 48,
+    n_countries: int = 10,
+    n_orgs: int = 60,
+    n_single: int = 800,
+    n_bridge: int = 800,
+    n_comparison: int = 400,
+    n_dev: int = 150,
+    n_test: int = 150,
+) -> World:
+    """Generate a world from ``seed`` (``random.Random(seed)`` only; same seed -> same world).
+
+    ``n_single`` / ``n_bridge`` / ``n_comparison`` cap how many questions of each type are drawn (fewer
+    if the entities do not yield that many). The drawn questions are shuffled; the first ``n_dev`` form
+    dev, the next ``n_test`` test, the rest train. Question texts are unique, so splits never share one.
+    The defaults give ~770 passages and ~2,000 questions (1,700 train) in well under a second.
+    """
+    if n_countries < 1 or n_cities < max(2, n_countries) or n_people < 2 or not 0 <= n_orgs <= n_people:
+        raise ValueError(
+            "build_world needs n_countries >= 1, n_cities >= max(2, n_countries), n_people >= 2 and "
+            f"0 <= n_orgs <= n_people; got n_countries={n_countries}, n_cities={n_cities}, "
+            f"n_people={n_people}, n_orgs={n_orgs}"
+        )
+    rng = random.Random(seed)
+    entities = _entities(rng, n_countries, n_cities, n_people, n_orgs)
+    by_key = _passages(rng, *entities)
+    keys = list(by_key)
+    rng.shuffle(keys)  # so that passage ids carry no hint of entity kind or of the gold passage
+    ids = {key: f"w{i:05d}" for i, key in enumerate(keys)}
+    corpus = [Passage(ids[k], by_key[k].title, by_key[k].text) for k in keys]
+
+    pools = _questions(rng, *entities)
+    drawn: list[_Q] = []
+    for kind, cap in (("single", n_single), ("bridge", n_bridge), ("comparison", n_comparison)):
+        drawn += rng.sample(pools[kind], min(cap, len(pools[kind])))
+    rng.shuffle(drawn)
+    examples = [
+        QAExample(
+            id=f"q{i:05d}", question=q.question, golden_answers=[q.answer],
+            metadata={"type": q.type, "hops": list(q.hops), "gold_passages": [[ids[k]] for k in q.gold],
+                      "hop_queries": list(q.hop_queries)},
+        )
+        for i, q in enumerate(drawn)
+    ]
+    return World(corpus, train=examples[n_dev + n_test:], dev=examples[:n_dev],
+                 test=examples[n_dev:n_dev + n_test], seed=seed)
+
+
+def write_world(out_dir: str | Path, seed: int = 0, **sizes: int) -> dict[str, Path]:
+    """Build a world and write ``corpus.jsonl``, ``train.jsonl``, ``dev.jsonl``, ``test.jsonl`` into
+    ``out_dir``; ``sizes`` are :func:`build_world`'s keyword sizes. Returns ``{name: path}``.
+    """
+    world = build_world(seed, **sizes)
+    out = Path(out_dir)
+    paths = {"corpus": write_corpus(out / "corpus.jsonl", world.corpus)}
+    for split in ("train", "dev", "test"):
+        paths[split] = write_qa(out / f"{split}.jsonl", getattr(world, split))
+    return paths

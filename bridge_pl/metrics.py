@@ -1,0 +1,131 @@
+"""Distributed-safe QA metrics for search-agent rollouts.
+
+One ``QAMetrics`` instance accumulates, over all the questions it is shown, the answer scores of
+``bridge_pl.rewards`` and the rollout's behaviour counts, as summed scalar states that torchmetrics
+all-reduces (sum) across processes when ``compute()`` runs. Every process must call ``compute()``
+(it is a collective), including a process that saw no data.
+
+Why one Metric returning a dict: the six numbers come from the same rollouts in one ``update`` call and
+share the question count, so one object per dataset keeps them consistent. Lightning cannot log a
+dict-valued Metric object directly, so log the computed values and reset yourself::
+
+    self.val_metrics = torch.nn.ModuleDict({name: QAMetrics() for name in dataset_names})
+    # validation_step:
+    self.val_metrics[name].update(predictions, golds, turns, searches, valid_actions, actions)
+    # on_validation_epoch_end:
+    for name, metric in self.val_metrics.items():
+        self.log_dict({f"val/{name}/{key}": value for key, value in metric.compute().items()})
+        metric.reset()
+
+The values are already synchronised, so ``sync_dist`` is not needed.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from bridge_pl.rewards import exact_match, f1_score, sub_exact_match
+
+_STATES = ("em", "f1", "sub_em", "turns", "searches", "questions", "valid_actions", "actions")
+
+
+class QAMetrics(Metric):
+    """Question-answering and agent-behaviour averages over a set of rollouts.
+
+    ``compute()`` returns float32 scalars:
+
+    - ``em``, ``f1``, ``sub_em``: mean over questions of the best score against the question's golds
+      (a ``None`` prediction, i.e. no answer, scores 0);
+    - ``turns``: mean generation turns per question;
+    - ``searches``: mean search calls per question;
+    - ``valid_action_rate``: total valid actions / total actions, pooled over all questions (not a mean
+      of per-question rates), in [0, 1].
+
+    With no data every value is 0 (not NaN), and ``compute()`` before ``update()`` does not warn.
+    Sums are kept in float64 so the result does not depend on how questions are split across processes.
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    em: Tensor
+    f1: Tensor
+    sub_em: Tensor
+    turns: Tensor
+    searches: Tensor
+    questions: Tensor
+    valid_actions: Tensor
+    actions: Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in _STATES:
+            self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(
+        self,
+        predictions: Sequence[str | None],
+        golds: Sequence[Sequence[str]],
+        turns: Sequence[int] | Tensor,
+        searches: Sequence[int] | Tensor,
+        valid_actions: Sequence[int] | Tensor,
+        actions: Sequence[int] | Tensor,
+    ) -> None:
+        """Add one batch of ``n`` questions; every argument has ``n`` entries (counts: ints or shape (n,))."""
+        n = len(predictions)
+        counts = {"turns": turns, "searches": searches, "valid_actions": valid_actions, "actions": actions}
+        for field, values in {"golds": golds, **counts}.items():
+            if len(values) != n:
+                raise ValueError(f"QAMetrics.update: {field} has {len(values)} entries, predictions has {n}")
+        tensors = {k: torch.as_tensor(v, dtype=torch.float64).reshape(n) for k, v in counts.items()}
+        for field, values in tensors.items():
+            if (values < 0).any():
+                raise ValueError(f"QAMetrics.update: {field} must be non-negative, got {values.tolist()}")
+        if (tensors["valid_actions"] > tensors["actions"]).any():
+            raise ValueError("QAMetrics.update: valid_actions exceeds actions for some question: "
+                             f"{tensors['valid_actions'].tolist()} vs {tensors['actions'].tolist()}")
+
+        for name, score in (("em", exact_match), ("f1", f1_score), ("sub_em", sub_exact_match)):
+            setattr(self, name, getattr(self, name) + sum(map(score, predictions, golds)))
+        for field, values in tensors.items():
+            setattr(self, field, getattr(self, field) + values.sum().item())
+        self.questions += n
+
+    def compute(self) -> dict[str, Tensor]:
+        """``{em, f1, sub_em, turns, searches, valid_action_rate}``, synchronised across processes."""
+        # Numerators are 0 whenever their denominator is, so clamping the denominator maps "no data" to 0.
+        questions = self.questions.clamp(min=1)
+        means = ("em", "f1", "sub_em", "turns", "searches")
+        values = {name: getattr(self, name) / questions for name in means}
+        values["valid_action_rate"] = self.valid_actions / self.actions.clamp(min=1)
+        return {name: value.to(torch.float32) for name, value in values.items()}
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        # torchmetrics warns when compute() precedes update(); for this metric that is well defined (zeros),
+        # and it happens every epoch for a dataset or rank that got no batch, so silence that one warning.
+        wrapped = super()._wrap_compute(compute)
+
+        @functools.wraps(compute)
+        def quiet_compute(*args: Any, **kwargs: Any) -> Any:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The ``compute`` method of metric", UserWarning)
+                return wrapped(*args, **kwargs)
+
+        return quiet_compute
+
+    def _apply(self, fn: Callable, exclude_state: Sequence[str] = ()) -> Metric:
+        # The states follow the module's device but never its dtype: Lightning's "bf16-true"/"16-true"
+        # precision casts the whole LightningModule with .to(dtype), which would turn the sums into bf16.
+        this = super()._apply(fn, exclude_state=(*exclude_state, *_STATES))
+        for name in _STATES:
+            this._defaults[name] = this._defaults[name].to(this.device)
+            setattr(this, name, getattr(this, name).to(this.device))
+        return this

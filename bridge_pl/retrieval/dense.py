@@ -1,0 +1,417 @@
+"""Dense bi-encoder retriever: an HF encoder tower for queries (φ), one for passages, a FAISS index.
+
+Passage tower modes (METHOD.md section 2):
+
+- ``"frozen"`` (default, query-side training): the passages are encoded once by a frozen copy of the
+  encoder; the index never goes stale and passage embeddings are cached on disk.
+- ``"tied"``: one shared trainable encoder for both sides; the index goes stale after each update.
+- ``"trainable"``: a separate trainable passage encoder (:attr:`DenseRetriever.passage_encoder`).
+
+For the last two, ``callbacks.IndexRefresh`` re-encodes the corpus on a schedule (METHOD.md section 6).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from bridge_pl.data.qa import Passage
+from bridge_pl.retrieval.base import Retriever
+from bridge_pl.retrieval.index import INDEX_KINDS, DenseIndex, atomic_write
+
+log = logging.getLogger(__name__)
+
+POOLINGS = ("mean", "cls")
+PASSAGE_TOWERS = ("frozen", "tied", "trainable")
+INDEX_OPTIONS = ("nlist", "nprobe", "hnsw_m", "ef_search", "ef_construction")
+
+
+def _choice(option: str, value: str, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(f"DenseRetriever option '{option}' must be one of {list(allowed)}, got {value!r}")
+    return value
+
+
+class EncoderTower(nn.Module):
+    """An HF encoder + pooling + optional L2 normalisation: ``tower(texts) -> [N, D]`` float32.
+
+    ``prefix`` (E5-style ``"query: "``) and ``max_length`` (tokens) are this tower's defaults; a tied tower
+    is called with the passage-side values through :meth:`encode`. Deep-copyable (the trainer copies
+    the query tower as ψ).
+    """
+
+    def __init__(
+        self, encoder: nn.Module, tokenizer, pooling: str = "mean", normalize: bool = True,
+        prefix: str = "", max_length: int = 64,
+    ) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self.pooling = _choice("pooling", pooling, POOLINGS)
+        self.normalize = normalize
+        self.prefix = prefix
+        self.max_length = max_length
+        self.frozen = False
+        self._hash_key: tuple | None = None
+        self._hash = ""
+
+    @property
+    def dim(self) -> int:
+        return int(self.encoder.config.hidden_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.encoder.parameters()).device
+
+    def freeze(self) -> EncoderTower:
+        """No grads, and eval mode that ``.train()`` does not undo (no dropout in passage embeddings)."""
+        self.requires_grad_(False)
+        self.frozen = True
+        return self.eval()
+
+    def train(self, mode: bool = True) -> EncoderTower:
+        return super().train(mode and not self.frozen)
+
+    def encode(
+        self, texts: list[str], prefix: str | None = None, max_length: int | None = None
+    ) -> torch.Tensor:
+        """``[N, D]`` float32 embeddings on the tower's device (grad follows the caller's grad mode)."""
+        if not texts:
+            return torch.zeros(0, self.dim, device=self.device)
+        prefix = self.prefix if prefix is None else prefix
+        batch = self.tokenizer(
+            [prefix + t for t in texts], padding=True, truncation=True,
+            max_length=max_length or self.max_length, return_tensors="pt",
+        ).to(self.device)
+        hidden = self.encoder(**batch).last_hidden_state  # [N, T, H]
+        if self.pooling == "cls":
+            emb = hidden[:, 0]
+        else:
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [N, T, 1]
+            emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        emb = emb.float()
+        return F.normalize(emb, dim=-1) if self.normalize else emb
+
+    def forward(self, texts: list[str]) -> torch.Tensor:
+        return self.encode(texts)
+
+    def weights_hash(self) -> str:
+        """Hash of all encoder weights and buffers (recomputed only after they change)."""
+        tensors = [*self.encoder.named_parameters(), *self.encoder.named_buffers()]
+        # Every in-place update (optimizer step, load_state_dict) bumps a tensor's version counter, so
+        # (id, storage, version) tells cheaply whether the expensive byte hash must be redone.
+        key = tuple((id(t), t.data_ptr(), t._version) for _, t in tensors)
+        if key != self._hash_key:
+            h = hashlib.blake2b(digest_size=16)
+            for name, t in tensors:
+                h.update(name.encode())
+                h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            self._hash_key, self._hash = key, h.hexdigest()
+        return self._hash
+
+    def fingerprint(self, prefix: str | None = None, max_length: int | None = None) -> str:
+        """Weights + model config + tokenizer + pooling/normalisation/prefix/max length, as a hex digest."""
+        config = {k: v for k, v in self.encoder.config.to_dict().items()
+                  if k not in ("_name_or_path", "transformers_version")}
+        settings = {
+            "config": config, "tokenizer": [type(self.tokenizer).__name__, len(self.tokenizer)],
+            "pooling": self.pooling, "normalize": self.normalize,
+            "prefix": self.prefix if prefix is None else prefix, "max_length": max_length or self.max_length,
+            "weights": self.weights_hash(),
+        }
+        blob = json.dumps(settings, sort_keys=True, default=str).encode()
+        return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+@contextmanager
+def eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """Put ``modules`` in eval mode for the block, then restore each one's own train/eval flag."""
+    flags = [m.training for m in modules]
+    try:
+        for m in modules:
+            m.eval()
+        yield
+    finally:
+        for m, flag in zip(modules, flags, strict=True):
+            m.train(flag)
+
+
+def corpus_hash(passages: Sequence[Passage]) -> str:
+    """Hex digest of the passages' ids, titles and texts, in row order."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in passages:
+        h.update(json.dumps([p.id, p.title, p.text]).encode())
+    return h.hexdigest()
+
+
+class DenseRetriever(Retriever):
+    """Bi-encoder retrieval over a corpus with a FAISS inner-product index.
+
+    Args:
+        corpus: a corpus spec for ``bridge_pl.data.sources.load_corpus`` (``"world"``, a jsonl path, ...)
+            or the passages themselves.
+        encoder: registry name, local folder or cached HF id of the encoder (``bridge_pl.models``).
+        query_prefix / passage_prefix: prepended to texts (E5: ``"query: "`` / ``"passage: "``).
+        pooling: ``"mean"`` over non-pad tokens or ``"cls"``.
+        normalize: L2-normalise embeddings (inner product = cosine).
+        passage_tower: ``"frozen"`` | ``"tied"`` | ``"trainable"`` (module docstring).
+        index: ``"flat"`` (exact) | ``"ivf"`` | ``"hnsw"``; ``index_options`` holds nlist / nprobe /
+            hnsw_m / ef_search / ef_construction (see :class:`DenseIndex`).
+        max_query_length / max_passage_length: tokenizer truncation, in tokens.
+        batch_size: passages per forward pass when encoding the corpus.
+        cache_dir: where passage embeddings (and non-flat indexes) are cached, keyed by
+            :meth:`fingerprint`; default ``bridge_pl.models.cache_dir() / "embeddings"``.
+        allow_stale: search an index built by older passage-tower weights without raising.
+        rerank_stale / rerank_factor: over-retrieve ``rerank_factor * k`` candidates from a (possibly
+            stale) index and rerank them with the current passage tower (Atlas); implies ``allow_stale``.
+        progress: show a tqdm bar while encoding the corpus.
+
+    Passages are encoded as ``Passage.contents`` (FlashRAG ``"title"\\ntext``).
+    """
+
+    def __init__(
+        self,
+        corpus: str | list[Passage],
+        encoder: str = "minilm-l6",
+        query_prefix: str = "",
+        passage_prefix: str = "",
+        pooling: str = "mean",
+        normalize: bool = True,
+        passage_tower: str = "frozen",
+        index: str = "flat",
+        index_options: dict | None = None,
+        max_query_length: int = 64,
+        max_passage_length: int = 256,
+        batch_size: int = 64,
+        cache_dir: str | None = None,
+        allow_stale: bool = False,
+        rerank_stale: bool = False,
+        rerank_factor: int = 4,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        from bridge_pl.models import load_encoder, load_tokenizer
+
+        self.passage_tower = _choice("passage_tower", passage_tower, PASSAGE_TOWERS)
+        self.index_kind = _choice("index", index, INDEX_KINDS)
+        self.index_options = dict(index_options or {})
+        unknown = sorted(set(self.index_options) - set(INDEX_OPTIONS))
+        if unknown:
+            raise ValueError(f"DenseRetriever option 'index_options' has unknown keys {unknown}; "
+                             f"allowed: {list(INDEX_OPTIONS)}")
+        positive = {"batch_size": batch_size, "rerank_factor": rerank_factor,
+                    "max_query_length": max_query_length, "max_passage_length": max_passage_length}
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"DenseRetriever option '{name}' must be >= 1, got {value}")
+        self.passage_prefix = passage_prefix
+        self.max_passage_length = max_passage_length
+        self.batch_size = batch_size
+        self.cache_dir = cache_dir
+        self.allow_stale = allow_stale
+        self.rerank_stale = rerank_stale
+        self.rerank_factor = rerank_factor
+        self.progress = progress
+        self.encoded_passages = 0  # passages run through a full-corpus encode (cache misses, refreshes)
+
+        if isinstance(corpus, str):
+            self._corpus_spec, self._passages = corpus, None
+        else:
+            self._corpus_spec, self._passages = "<list>", list(corpus)
+        self._corpus_hash: str | None = None
+
+        hf_encoder, tokenizer = load_encoder(encoder), load_tokenizer(encoder)
+        self._query_tower = EncoderTower(
+            hf_encoder, tokenizer, pooling, normalize, query_prefix, max_query_length
+        )
+        self._passage_tower: EncoderTower | None = None
+        if passage_tower != "tied":
+            tower = EncoderTower(copy.deepcopy(hf_encoder), tokenizer, pooling, normalize, passage_prefix,
+                                 max_passage_length)
+            self._passage_tower = tower.freeze() if passage_tower == "frozen" else tower
+        self._emb: np.ndarray | None = None  # [N, D] passage embeddings (memory-mapped on a cache hit)
+        self._index: DenseIndex | None = None
+
+    # ---- corpus -------------------------------------------------------------------------------
+    @property
+    def passages(self) -> Sequence[Passage]:
+        if self._passages is None:
+            from bridge_pl.data.sources import load_corpus
+
+            self._passages = list(load_corpus(self._corpus_spec))
+        if not self._passages:
+            raise ValueError(f"DenseRetriever corpus {self._corpus_spec!r} has no passages")
+        return self._passages
+
+    # ---- towers -------------------------------------------------------------------------------
+    @property
+    def query_encoder(self) -> EncoderTower:
+        return self._query_tower
+
+    @property
+    def passage_encoder(self) -> EncoderTower | None:
+        """The separate trainable passage tower (``passage_tower="trainable"``), else ``None``.
+
+        With ``"tied"`` the passage side *is* :attr:`query_encoder`; with ``"frozen"`` nothing trains.
+        """
+        return self._passage_tower if self.passage_tower == "trainable" else None
+
+    @property
+    def passage_tower_trains(self) -> bool:
+        return self.passage_tower != "frozen"
+
+    @property
+    def device(self) -> torch.device:
+        return self._query_tower.device
+
+    def _passage_side(self, query_encoder: nn.Module | None = None) -> EncoderTower:
+        """The tower that encodes passages; a tied retriever uses the given query tower (e.g. ψ)."""
+        if self.passage_tower == "tied":
+            return query_encoder if query_encoder is not None else self._query_tower
+        assert self._passage_tower is not None
+        return self._passage_tower
+
+    def encode_passages(self, texts: list[str], query_encoder: nn.Module | None = None) -> torch.Tensor:
+        """``[N, D]`` passage embeddings by the passage tower (grad follows the caller's grad mode)."""
+        return self._passage_side(query_encoder).encode(
+            texts, prefix=self.passage_prefix, max_length=self.max_passage_length
+        )
+
+    def fingerprint(self) -> str:
+        """``<passage-encoder digest>-<corpus digest>``; reflects the passage tower's current weights."""
+        if self._corpus_hash is None:
+            self._corpus_hash = corpus_hash(self.passages)
+        tower = self._passage_side()
+        return f"{tower.fingerprint(self.passage_prefix, self.max_passage_length)}-{self._corpus_hash}"
+
+    # ---- index --------------------------------------------------------------------------------
+    def _cache_root(self) -> Path:
+        if self.cache_dir is not None:
+            return Path(self.cache_dir).expanduser()
+        from bridge_pl.models import cache_dir
+
+        return cache_dir() / "embeddings"
+
+    def _encode_corpus(self) -> np.ndarray:
+        """``[N, D]`` float32 embeddings of the whole corpus, under no_grad, in eval mode."""
+        passages = self.passages
+        tower = self._passage_side()
+        # Encode in length order so each batch pads little; write rows back in corpus order.
+        order = np.argsort([len(p.title) + len(p.text) for p in passages], kind="stable")
+        out = np.empty((len(passages), tower.dim), dtype=np.float32)
+        with eval_mode(tower), torch.no_grad(), tqdm(total=len(passages), desc="encode passages",
+                                                     unit="psg", disable=not self.progress) as bar:
+            for start in range(0, len(order), self.batch_size):
+                rows = order[start:start + self.batch_size]
+                out[rows] = self.encode_passages([passages[i].contents for i in rows]).cpu().numpy()
+                bar.update(len(rows))
+        self.encoded_passages += len(passages)
+        return out
+
+    def _build(self, use_cache: bool) -> None:
+        fp = self.fingerprint()
+        emb_path = self._cache_root() / f"{fp}.npy"
+        if use_cache and emb_path.is_file():
+            log.info("passage embedding cache hit: %s", emb_path)
+            emb = np.load(emb_path, mmap_mode="r")
+        else:
+            emb = self._encode_corpus()
+            if use_cache:
+                atomic_write(emb_path, lambda f: np.save(f, emb))
+                log.info("cached passage embeddings: %s", emb_path)
+        options = {"kind": self.index_kind, **self.index_options}
+        index_path = None
+        if use_cache and self.index_kind != "flat":  # a flat index is just the embeddings again
+            key = hashlib.blake2b(json.dumps(options, sort_keys=True).encode(), digest_size=8).hexdigest()
+            index_path = self._cache_root() / f"{fp}.{self.index_kind}-{key}.index.npz"
+        if index_path is not None and index_path.is_file():
+            index = DenseIndex.load(index_path, device=self.device)
+        else:
+            index = DenseIndex.build(emb, fingerprint=fp, device=self.device, **options)
+            if index_path is not None:
+                index.save(index_path)
+        self._emb, self._index = emb, index
+
+    def prepare(self) -> None:
+        """Encode the corpus (or load the cached embeddings) and build the index; idempotent."""
+        if self._index is None:
+            self._build(use_cache=True)
+
+    def refresh_index(self) -> None:
+        """Re-encode the corpus with the current passage tower and rebuild the index (not disk-cached)."""
+        self._build(use_cache=not self.passage_tower_trains)
+
+    @property
+    def index(self) -> DenseIndex:
+        self.prepare()
+        assert self._index is not None
+        return self._index
+
+    # ---- retrieval ----------------------------------------------------------------------------
+    def _check_rows(self, queries: list[str], rows: torch.Tensor) -> None:
+        if rows.dim() != 2 or rows.shape[0] != len(queries):
+            raise ValueError(f"rows must be [Q={len(queries)}, K] int64, got shape {tuple(rows.shape)}")
+        if bool((rows >= len(self.passages)).any()):
+            raise ValueError(f"rows must be < corpus size {len(self.passages)} (or -1 for padding)")
+
+    def _passage_embeddings(self, rows: torch.Tensor, query_encoder: nn.Module | None) -> torch.Tensor:
+        """``[Q, K, D]`` embeddings of ``rows`` ``[Q, K]`` (-1 rows give row 0's, masked by the caller).
+
+        Frozen tower: the corpus embeddings; trainable tower: re-encoded (with grad if grad is enabled).
+        """
+        flat = rows.clamp(min=0).reshape(-1).cpu()
+        if not self.passage_tower_trains:
+            self.prepare()
+            emb = torch.from_numpy(np.asarray(self._emb[flat.numpy()], dtype=np.float32))
+        else:
+            uniq, inverse = torch.unique(flat, return_inverse=True)
+            texts = [self.passages[i].contents for i in uniq.tolist()]
+            emb = self.encode_passages(texts, query_encoder)[inverse.to(self.device)]
+        return emb.reshape(*rows.shape, -1)
+
+    def score(
+        self, queries: list[str], rows: torch.Tensor, query_encoder: nn.Module | None = None
+    ) -> torch.Tensor:
+        """``[Q, K]`` float32 inner products ``q_i · p_{rows[i, j]}``; ``-inf`` where ``rows`` is -1.
+
+        Differentiable w.r.t. the query tower (``query_encoder`` or φ), and w.r.t. the passage tower
+        when it trains. On the query tower's device. Uses the towers' current train/eval mode.
+        """
+        self._check_rows(queries, rows)
+        tower = query_encoder if query_encoder is not None else self._query_tower
+        q = tower(queries)  # [Q, D]
+        p = self._passage_embeddings(rows, query_encoder).to(q.device)  # [Q, K, D]
+        scores = torch.einsum("qd,qkd->qk", q, p)
+        return scores.masked_fill(rows.to(q.device) < 0, float("-inf"))
+
+    def search(self, queries: list[str], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` ``(scores [Q, k] float32, rows [Q, k] int64)`` on CPU, eval mode, no grad.
+
+        Rows are -1 (score -inf) only where the index returned fewer than ``k`` hits (e.g. ``k > N``).
+        Raises :class:`~bridge_pl.retrieval.index.StaleIndexError` if the passage tower changed since
+        the index was built, unless ``allow_stale`` or ``rerank_stale`` is set.
+        """
+        index = self.index.to(self.device)
+        rerank = self.rerank_stale and self.passage_tower_trains
+        expected = None if (self.allow_stale or rerank) else self.fingerprint()
+        index.check_fresh(expected)
+        with eval_mode(self._query_tower, self._passage_side()), torch.no_grad():
+            q = self._query_tower(queries)
+            if not rerank:
+                return index.search(q, k)
+            _, cand = index.search(q, k * self.rerank_factor)
+            fresh = self.score(queries, cand).cpu()
+        top = fresh.topk(k, dim=1)
+        rows = cand.gather(1, top.indices)
+        return top.values, rows.masked_fill(top.values == float("-inf"), -1)

@@ -1,0 +1,137 @@
+"""``RolloutBatch``: trajectories as right-padded tensors, plus what each search call retrieved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from bridge_pl.rollout.engine import Trajectory
+
+
+@dataclass
+class RolloutBatch:
+    """B trajectories (prompt + response) and S search calls made while generating them.
+
+    Token tensors are ``[B, T]``, right-padded. ``action_mask[b, t] = 1`` exactly where token t was
+    sampled by the policy (0 on prompt, retrieved observations, env messages and padding).
+    ``old_logprobs[b, t]`` is log π_old(token t | tokens < t) on action tokens and 0 elsewhere.
+
+    Search calls are flattened over the batch: call s belongs to trajectory ``search_traj[s]``; its K′
+    FAISS candidates are ``search_candidates[s]`` (retriever rows, -1 = padding); the k passages shown are
+    ``search_order[s]`` (positions into the candidate row, in the order shown) with log-prob
+    ``search_logprob[s]`` under the retriever's sampling distribution.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    action_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    rewards: torch.Tensor  # [B] float
+    group_ids: torch.Tensor  # [B] long: trajectories of one prompt share a group (GRPO)
+    turns: torch.Tensor  # [B] long
+    valid_actions: torch.Tensor  # [B] long
+    invalid_actions: torch.Tensor  # [B] long
+    search_traj: torch.Tensor  # [S] long
+    search_candidates: torch.Tensor  # [S, K'] long
+    search_order: torch.Tensor  # [S, k] long
+    search_logprob: torch.Tensor  # [S] float
+    search_queries: list[str]
+    responses: list[str]
+    answers: list[str | None]
+    golds: list[list[str]]
+    questions: list[str]
+    example_ids: list[str]
+    metadata: list[dict[str, Any]]
+    policy_version: int
+    retriever_version: int
+    dataset: str = "train"
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_searches(self) -> torch.Tensor:
+        """``[B]`` search calls per trajectory."""
+        return torch.bincount(self.search_traj, minlength=self.batch_size)
+
+    @property
+    def search_valid(self) -> torch.Tensor:
+        """``[S, K']`` bool: which candidate slots hold a real passage."""
+        return self.search_candidates >= 0
+
+    def shown_rows(self, s: int) -> list[int]:
+        """Retriever rows of the passages shown for search call ``s``, in order."""
+        return self.search_candidates[s, self.search_order[s]].tolist()
+
+    @classmethod
+    def from_trajectories(
+        cls,
+        trajectories: list[Trajectory],
+        *,
+        pad_token_id: int,
+        answers: list[str | None],
+        rewards: list[float],
+        golds: list[list[str]],
+        questions: list[str],
+        example_ids: list[str],
+        metadata: list[dict[str, Any]],
+        policy_version: int,
+        retriever_version: int,
+        dataset: str = "train",
+    ) -> RolloutBatch:
+        """Pad trajectories (from :class:`~bridge_pl.rollout.engine.RolloutEngine`) into a batch.
+
+        ``old_logprobs`` starts at zeros; the caller fills it with a forward pass of the policy.
+        """
+        B = len(trajectories)
+        T = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+        input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros(B, T, dtype=torch.long)
+        action_mask = torch.zeros(B, T, dtype=torch.float32)
+        for b, traj in enumerate(trajectories):
+            p, r = len(traj.prompt_ids), len(traj.response_ids)
+            input_ids[b, : p + r] = torch.tensor(traj.prompt_ids + traj.response_ids, dtype=torch.long)
+            attention_mask[b, : p + r] = 1
+            action_mask[b, p : p + r] = torch.tensor(traj.action_mask, dtype=torch.float32)
+
+        calls = [(b, call) for b, traj in enumerate(trajectories) for call in traj.searches]
+        K = max((len(c.outcome.candidate_rows) for _, c in calls), default=0)
+        k = max((len(c.outcome.passage_rows) for _, c in calls), default=0)
+        candidates = torch.full((len(calls), K), -1, dtype=torch.long)
+        order = torch.zeros(len(calls), k, dtype=torch.long)
+        for s, (_, call) in enumerate(calls):
+            cand = call.outcome.candidate_rows
+            candidates[s, : len(cand)] = torch.tensor(cand, dtype=torch.long)
+            position = {row: i for i, row in enumerate(cand)}
+            shown = [position[row] for row in call.outcome.passage_rows]
+            order[s, : len(shown)] = torch.tensor(shown, dtype=torch.long)
+        return cls(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            action_mask=action_mask,
+            old_logprobs=torch.zeros(B, T),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            group_ids=torch.tensor([t.prompt_index for t in trajectories], dtype=torch.long),
+            turns=torch.tensor([t.turns for t in trajectories], dtype=torch.long),
+            valid_actions=torch.tensor([t.valid_actions for t in trajectories], dtype=torch.long),
+            invalid_actions=torch.tensor([t.invalid_actions for t in trajectories], dtype=torch.long),
+            search_traj=torch.tensor([b for b, _ in calls], dtype=torch.long),
+            search_candidates=candidates,
+            search_order=order,
+            search_logprob=torch.tensor([c.outcome.logprob for _, c in calls], dtype=torch.float32),
+            search_queries=[c.query for _, c in calls],
+            responses=[t.response_text for t in trajectories],
+            answers=answers,
+            golds=golds,
+            questions=questions,
+            example_ids=example_ids,
+            metadata=metadata,
+            policy_version=policy_version,
+            retriever_version=retriever_version,
+            dataset=dataset,
+        )

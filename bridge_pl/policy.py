@@ -92,7 +92,9 @@ class Policy(nn.Module):
     @staticmethod
     def _quantization_kwargs(compute_dtype: torch.dtype) -> dict:
         if not torch.cuda.is_available():
-            raise RuntimeError("policy.load_in_4bit=True needs a CUDA GPU and bitsandbytes (pip install bridge-pl[gpu])")
+            raise RuntimeError(
+                "policy.load_in_4bit=True needs a CUDA GPU and bitsandbytes (pip install bridge-pl[gpu])"
+            )
         from transformers import BitsAndBytesConfig
 
         quant = BitsAndBytesConfig(

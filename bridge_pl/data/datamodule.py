@@ -1,0 +1,264 @@
+"""``RolloutDataModule``: QA prompts in, on-policy ``RolloutBatch``es out.
+
+The dataloaders yield lists of :class:`~bridge_pl.data.qa.QAExample` (cheap to prefetch). Generation
+runs in :meth:`RolloutDataModule.on_after_batch_transfer`, which Lightning calls right before the
+step that consumes the batch, so every batch is generated with the parameters of that step even
+though the loader is one batch ahead (the versions recorded in the batch prove it).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch.utils.data import DataLoader, IterableDataset
+
+from bridge_pl.data.qa import QAExample
+from bridge_pl.data.sources import load_qa
+from bridge_pl.rewards import ExactMatchReward, RewardFunction, extract_answer
+from bridge_pl.rollout.batch import RolloutBatch
+from bridge_pl.rollout.engine import RolloutEngine, Trajectory
+from bridge_pl.rollout.env import EnvConfig, SearchEnv
+
+INSTRUCTION = (
+    "Answer the question. Think step by step inside <think> and </think>. Whenever you are missing a fact, "
+    "search for it by writing <search> query </search>; the search results will be shown between "
+    "<information> and </information>. You may search several times. When you know the answer, write it "
+    "inside <answer> and </answer> with no explanation, for example <answer> Paris </answer>.\n"
+    "Question: {question}\n"
+)
+
+
+class _PromptStream(IterableDataset):
+    """An endless, seeded stream of training batches (lists of examples), resumable by position.
+
+    Epoch e is a permutation seeded by ``seed + e``; rank r of w processes takes every w-th batch.
+    """
+
+    def __init__(self, examples: list[QAExample], batch_size: int, seed: int, start: int, rank: int, world: int):
+        self.examples, self.batch_size, self.seed = examples, batch_size, seed
+        self.start, self.rank, self.world = start, rank, world
+
+    def _batches(self) -> Iterator[list[QAExample]]:
+        per_epoch = max(1, len(self.examples) // self.batch_size)
+        epoch = 0
+        while True:
+            order = list(range(len(self.examples)))
+            random.Random(self.seed + epoch).shuffle(order)
+            for b in range(per_epoch):
+                yield [self.examples[i] for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
+            epoch += 1
+
+    def __iter__(self) -> Iterator[list[QAExample]]:
+        for position, batch in enumerate(self._batches()):
+            if position >= self.start * self.world and position % self.world == self.rank:
+                yield batch
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Reads QA sets, builds prompts, and rolls out the module's current policy + retriever.
+
+    Args:
+        train: QA source for training (see :func:`bridge_pl.data.sources.load_qa`: ``world/train``,
+            ``fanoutqa/sub``, a FlashRAG/Search-R1 jsonl path, ...).
+        val, test: named QA sources, each evaluated and reported separately (``val/<name>/em``).
+        max_eval_examples: evaluate on the first N examples of each val/test set (None: all).
+        batch_size: prompts per training iteration; ``n_samples`` trajectories each (a GRPO group).
+        eval_batch_size: prompts per evaluation batch (greedy, one trajectory each).
+        max_turns, max_new_tokens_per_turn, max_response_tokens, temperature, top_p: rollout settings.
+        env: tag names, templates and token budgets (default: Search-R1's).
+        reward: the reward function (default exact match).
+        instruction: prompt template with ``{question}``.
+        use_chat_template: wrap the prompt in the tokenizer's chat template when it has one.
+        seed: seeds the prompt order and the sampling (retrieval and generation).
+    """
+
+    def __init__(
+        self,
+        train: str = "world/train",
+        val: dict[str, str] | None = None,
+        test: dict[str, str] | None = None,
+        max_eval_examples: int | None = None,
+        batch_size: int = 4,
+        n_samples: int = 4,
+        eval_batch_size: int = 16,
+        max_turns: int = 3,
+        max_new_tokens_per_turn: int = 64,
+        max_response_tokens: int = 512,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        env: EnvConfig | None = None,
+        reward: RewardFunction | None = None,
+        instruction: str = INSTRUCTION,
+        use_chat_template: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if "{question}" not in instruction:
+            raise ValueError("data.instruction must contain '{question}'")
+        self.train_source = train
+        self.val_sources = dict(val) if val is not None else {"world_dev": "world/dev"}
+        self.test_sources = dict(test) if test is not None else {"world_test": "world/test"}
+        self.max_eval_examples = max_eval_examples
+        self.batch_size, self.n_samples, self.eval_batch_size = batch_size, n_samples, eval_batch_size
+        self.engine_args = dict(
+            max_turns=max_turns, max_new_tokens_per_turn=max_new_tokens_per_turn,
+            max_response_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
+        )
+        self.env_config = env or EnvConfig()
+        self.reward = reward or ExactMatchReward()
+        self.instruction, self.use_chat_template, self.seed = instruction, use_chat_template, seed
+        self.consumed = 0  # training batches generated so far (the resumable data position)
+        self._sets: dict[str, list[QAExample]] = {}
+        self._engine: RolloutEngine | None = None
+        self._generator: torch.Generator | None = None
+
+    # ---- data -----------------------------------------------------------------------------------
+    def _load(self, source: str, limit: int | None = None) -> list[QAExample]:
+        if source not in self._sets:
+            self._sets[source] = load_qa(source)
+        return self._sets[source][:limit] if limit is not None else self._sets[source]
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        stream = _PromptStream(self._load(self.train_source), self.batch_size, self.seed, self.consumed, rank, world)
+        return DataLoader(stream, batch_size=None)
+
+    def _eval_loaders(self, sources: dict[str, str]) -> list[DataLoader]:
+        return [
+            DataLoader(self._load(src, self.max_eval_examples), batch_size=self.eval_batch_size, collate_fn=list)
+            for src in sources.values()
+        ]
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return self._eval_loaders(self.val_sources)
+
+    def test_dataloader(self) -> list[DataLoader]:
+        return self._eval_loaders(self.test_sources)
+
+    def predict_dataloader(self) -> list[DataLoader]:
+        return self._eval_loaders(self.test_sources)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.consumed = int(state_dict["consumed"])
+
+    # ---- prompts --------------------------------------------------------------------------------
+    def prompt_ids(self, tokenizer, question: str) -> list[int]:
+        """Token ids of the prompt for ``question`` (chat-templated when the tokenizer has a template)."""
+        text = self.instruction.format(question=question)
+        if self.use_chat_template and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tokenizer(text)["input_ids"]
+
+    # ---- rollouts -------------------------------------------------------------------------------
+    def _stage_name(self, dataloader_idx: int) -> tuple[str, bool]:
+        """(dataset name, training?) for the batch being transferred."""
+        trainer = self.trainer
+        if trainer.training:
+            return "train", True
+        sources = self.val_sources if (trainer.validating or trainer.sanity_checking) else self.test_sources
+        return list(sources)[dataloader_idx], False
+
+    def on_after_batch_transfer(self, batch: list[QAExample], dataloader_idx: int) -> RolloutBatch:
+        dataset, training = self._stage_name(dataloader_idx)
+        module = self.trainer.lightning_module
+        rollout = self.rollout(module, batch, training=training, dataset=dataset)
+        if training:
+            self.consumed += 1
+        return move_data_to_device(rollout, module.device)
+
+    def rollout(self, module, examples: list[QAExample], training: bool, dataset: str) -> RolloutBatch:
+        """Generate trajectories for ``examples`` with ``module``'s current policy and retriever.
+
+        Training: ``n_samples`` sampled trajectories per prompt with Plackett-Luce retrieval; else greedy
+        generation with deterministic top-k retrieval.
+        """
+        policy = module.policy
+        tokenizer = policy.tokenizer
+        if self._engine is None:
+            self._engine = RolloutEngine(SearchEnv(self.env_config, tokenizer), **self.engine_args)
+            self._generator = torch.Generator(device=module.device).manual_seed(
+                self.seed + 7919 * (self.trainer.global_rank if self.trainer else 0)
+            )
+        prompts = [self.prompt_ids(tokenizer, ex.question) for ex in examples]
+        n = self.n_samples if training else 1
+        trajectories = self._engine.generate(
+            policy.model, tokenizer, prompts,
+            search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
+            n_samples=n, greedy=not training, generator=self._generator,
+        )
+        per_traj = [examples[t.prompt_index] for t in trajectories]
+        answer_tags = dict(open_tag=f"<{self.env_config.answer_tag}>", close_tag=f"</{self.env_config.answer_tag}>")
+        batch = RolloutBatch.from_trajectories(
+            trajectories,
+            pad_token_id=tokenizer.pad_token_id,
+            answers=[extract_answer(t.response_text, **answer_tags) for t in trajectories],
+            rewards=[self.reward(t.response_text, ex.golden_answers) for t, ex in zip(trajectories, per_traj)],
+            golds=[ex.golden_answers for ex in per_traj],
+            questions=[ex.question for ex in per_traj],
+            example_ids=[ex.id for ex in per_traj],
+            metadata=[ex.metadata for ex in per_traj],
+            policy_version=int(module.policy_version),
+            retriever_version=module.retriever.version,
+            dataset=dataset,
+        )
+        if training:
+            self._add_old_logprobs(batch, module)
+            if module.solver.trains_retriever:
+                self._add_credit_sequences(batch, trajectories, prompts, per_traj, module, tokenizer)
+        return batch
+
+    @torch.no_grad()
+    def _add_old_logprobs(self, batch: RolloutBatch, module) -> None:
+        """π_old log-probs of the action tokens, recomputed by a full forward pass (as verl does)."""
+        was_training = module.policy.training
+        module.policy.eval()
+        ids, attn = batch.input_ids.to(module.device), batch.attention_mask.to(module.device)
+        logp = module.policy(ids, attn)[0].cpu()
+        module.policy.train(was_training)
+        batch.old_logprobs = logp * batch.action_mask
+
+    def _add_credit_sequences(
+        self, batch: RolloutBatch, trajectories: list[Trajectory], prompts: list[list[int]],
+        examples: list[QAExample], module, tokenizer,
+    ) -> None:
+        """For up to ``credit_queries`` search calls, one (context, gold answer) pair per candidate slot.
+
+        Context = the prompt, the issued ``<search>`` and an observation holding only candidate d, then
+        ``<answer>``; target = the first gold answer and ``</answer>`` (ℓ_θ(d) of METHOD.md section 2).
+        """
+        S = batch.search_traj.numel()
+        if S == 0:
+            return
+        rng = random.Random(self.seed * 1_000_003 + self.consumed)
+        chosen = sorted(rng.sample(range(S), min(S, module.hparams.credit_queries)))
+        env, tags = self._engine.env, self.env_config
+        sequences = []
+        for s in chosen:
+            traj = int(batch.search_traj[s])
+            prompt = prompts[trajectories[traj].prompt_index]
+            query = batch.search_queries[s]
+            target = tokenizer(f" {examples[traj].golden_answers[0]} </{tags.answer_tag}>", add_special_tokens=False)[
+                "input_ids"
+            ]
+            for row in batch.search_candidates[s].tolist():
+                if row < 0:
+                    sequences.append(([tokenizer.pad_token_id], [tokenizer.pad_token_id]))
+                    continue
+                text = (
+                    f"<{tags.search_tag}> {query} </{tags.search_tag}>"
+                    f"{env.observation([module.retriever.passage(row)])}<{tags.answer_tag}>"
+                )
+                sequences.append((prompt + tokenizer(text, add_special_tokens=False)["input_ids"], target))
+        batch.credit_searches = torch.tensor(chosen, dtype=torch.long)
+        batch.credit_sequences = sequences

@@ -1,0 +1,332 @@
+"""``BridgeModule``: the LightningModule that holds the policy, the retriever and the solver.
+
+Manual optimization: one ``training_step`` is one training iteration (one rollout batch and all its
+updates), so ``trainer.max_steps`` counts iterations, not inner optimizer steps. The solver chosen by
+``mode`` decides the order of the updates; this module never branches on the mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+
+from bridge_pl.bilevel import ParamUpdate, Updates, make_solver
+from bridge_pl.metrics import QAMetrics
+from bridge_pl.policy import Policy
+from bridge_pl.problem import RLConfig, RLProblem
+from bridge_pl.retrieval.base import Retriever
+from bridge_pl.retrieval.credit import gumbel_topk, plackett_luce_logprob, topk_order
+from bridge_pl.rollout.batch import RolloutBatch
+from bridge_pl.rollout.engine import SearchOutcome
+
+
+class BridgeModule(L.LightningModule):
+    """Policy π_θ + retriever (query encoder φ, reference copy ψ) trained by the solver of ``mode``.
+
+    Args:
+        policy: the causal-LM policy (LoRA by default).
+        retriever: any :class:`~bridge_pl.retrieval.base.Retriever`, e.g. ``DenseRetriever``; plugged by
+            ``class_path`` in YAML.
+        mode: ``frozen`` | ``policy_first`` | ``retriever_first`` | ``bridge`` | ``implicit``.
+        algorithm: ``grpo`` | ``ppo``.
+        policy_optimizer, retriever_optimizer, critic_optimizer: optimizer callables (default AdamW with
+            lr 1e-5 / 1e-5 / 1e-4). ``retriever_optimizer`` builds both φ's and ψ's optimizers.
+        policy_scheduler, retriever_scheduler: optional LR scheduler callables, stepped once per iteration.
+        candidates: K′, FAISS candidates per search. top_k: k, passages shown per search.
+        credit_queries: at most this many search calls per batch get LM credit (ℓ_θ for each candidate).
+        phi_steps, psi_steps, policy_epochs: inner steps per iteration (see :mod:`bridge_pl.bilevel`).
+        lam_init, lam_delta, lam_max: the ``bridge`` penalty schedule λ_t.
+        neumann_steps, neumann_lr: the ``implicit`` mode's Neumann series.
+        grad_clip_policy, grad_clip_retriever: max grad norm per optimizer (None: no clipping).
+        The remaining arguments are :class:`~bridge_pl.problem.RLConfig` fields.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        retriever: Retriever,
+        mode: str = "bridge",
+        algorithm: str = "grpo",
+        policy_optimizer: OptimizerCallable | None = None,
+        retriever_optimizer: OptimizerCallable | None = None,
+        critic_optimizer: OptimizerCallable | None = None,
+        policy_scheduler: LRSchedulerCallable | None = None,
+        retriever_scheduler: LRSchedulerCallable | None = None,
+        candidates: int = 10,
+        top_k: int = 3,
+        credit_queries: int = 16,
+        phi_steps: int = 1,
+        psi_steps: int = 1,
+        policy_epochs: int = 1,
+        lam_init: float = 1.0,
+        lam_delta: float = 0.0,
+        lam_max: float = 10.0,
+        neumann_steps: int = 5,
+        neumann_lr: float = 0.1,
+        grad_clip_policy: float | None = 1.0,
+        grad_clip_retriever: float | None = 1.0,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = None,
+        kl_coef: float = 0.001,
+        kl_kind: str = "k3",
+        entropy_coef: float = 0.0,
+        loss_agg: str = "token-mean",
+        scale_by_std: bool = True,
+        gamma: float = 1.0,
+        gae_lambda: float = 1.0,
+        value_coef: float = 0.5,
+        retrieval_temperature: float = 0.1,
+        teacher_temperature: float = 1.0,
+        mask_observations: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["policy", "retriever"])
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold what trains, not the frozen base weights
+        if top_k > candidates:
+            raise ValueError(f"model.top_k ({top_k}) must be <= model.candidates ({candidates})")
+        self.policy = policy
+        self.retriever = retriever
+        self.rl_config = RLConfig(
+            algorithm=algorithm, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
+            kl_kind=kl_kind, entropy_coef=entropy_coef, loss_agg=loss_agg, scale_by_std=scale_by_std,
+            gamma=gamma, gae_lambda=gae_lambda, value_coef=value_coef,
+            retrieval_temperature=retrieval_temperature, teacher_temperature=teacher_temperature,
+            mask_observations=mask_observations,
+        )
+        self.solver = make_solver(
+            mode, phi_steps=phi_steps, psi_steps=psi_steps, policy_epochs=policy_epochs, lam_init=lam_init,
+            lam_delta=lam_delta, lam_max=lam_max, neumann_steps=neumann_steps, neumann_lr=neumann_lr,
+        )
+        if self.solver.trains_retriever and not retriever.trainable:
+            raise ValueError(
+                f"model.mode='{mode}' trains the retriever, but {type(retriever).__name__} is not trainable; "
+                "use mode: frozen with a fixed retriever"
+            )
+        if not self.solver.trains_retriever and retriever.query_encoder is not None:
+            retriever.query_encoder.requires_grad_(False)
+        self.psi = copy.deepcopy(retriever.query_encoder) if self.solver.needs_psi else None
+        self.value_head = nn.Linear(policy.hidden_size, 1) if algorithm == "ppo" else None
+        if kl_coef > 0:
+            policy.enable_reference_copy()
+        self.register_buffer("policy_version", torch.zeros((), dtype=torch.long))
+        self.metrics = nn.ModuleDict()  # "<stage>/<dataset>" -> QAMetrics, created on first use
+        self.last_eval_batches: dict[str, list[RolloutBatch]] = {}
+
+    # ---- setup ----------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        self.retriever.prepare()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+
+        def build(factory, params, lr):
+            return factory(params) if factory is not None else torch.optim.AdamW(params, lr=lr)
+
+        optimizers = [build(hp.policy_optimizer, self.policy.trainable_parameters(), 1e-5)]
+        schedulers = []
+        if hp.policy_scheduler is not None:
+            schedulers.append(hp.policy_scheduler(optimizers[0]))
+        if self.solver.trains_retriever:
+            towers = [self.retriever.query_encoder] + ([self.psi] if self.psi is not None else [])
+            for tower in towers:
+                params = [p for p in tower.parameters() if p.requires_grad]
+                optimizers.append(build(hp.retriever_optimizer, params, 1e-5))
+                if hp.retriever_scheduler is not None:
+                    schedulers.append(hp.retriever_scheduler(optimizers[-1]))
+        if self.value_head is not None:
+            optimizers.append(build(hp.critic_optimizer, list(self.value_head.parameters()), 1e-4))
+        return optimizers, schedulers
+
+    def _updates(self) -> Updates:
+        hp = self.hparams
+        opts = self.optimizers()
+        opts = list(opts) if isinstance(opts, list | tuple) else [opts]
+        policy_opt = opts.pop(0)
+        critic_opt = opts.pop() if self.value_head is not None else None
+        if critic_opt is not None:  # the critic head trains in the same backward as the policy
+            policy_opt = _JointOptimizer([policy_opt, critic_opt])
+        policy = ParamUpdate(policy_opt, self.manual_backward, hp.grad_clip_policy)
+        phi = psi = None
+        if opts:
+            phi = ParamUpdate(opts[0], self.manual_backward, hp.grad_clip_retriever, self.retriever.bump_version)
+        if len(opts) > 1:
+            psi = ParamUpdate(opts[1], self.manual_backward, hp.grad_clip_retriever)
+        return Updates(policy=policy, phi=phi, psi=psi)
+
+    # ---- retrieval during rollouts ---------------------------------------------------------------
+    @torch.no_grad()
+    def retrieve(
+        self, queries: list[str], stochastic: bool, generator: torch.Generator | None = None
+    ) -> list[SearchOutcome]:
+        """Search K′ candidates per query, then sample k of them (Plackett-Luce) or take the top k."""
+        if not queries:
+            return []
+        hp = self.hparams
+        scores, rows = self.retriever.search(queries, hp.candidates)
+        valid = rows >= 0
+        k = min(hp.top_k, int(valid.sum(-1).min()))
+        logits = scores.float() / self.rl_config.retrieval_temperature
+        if stochastic:
+            order = gumbel_topk(logits, k, generator=generator, valid=valid)
+            logprob = plackett_luce_logprob(logits, order, valid=valid)
+        else:
+            order = topk_order(logits, k, valid=valid)
+            logprob = torch.zeros(len(queries))
+        outcomes = []
+        for q in range(len(queries)):
+            cand = rows[q][valid[q]].tolist()
+            shown = rows[q, order[q]].tolist()
+            outcomes.append(
+                SearchOutcome(
+                    candidate_rows=cand, passage_rows=shown, logprob=float(logprob[q]),
+                    passages=[self.retriever.passage(r) for r in shown],
+                )
+            )
+        return outcomes
+
+    # ---- training -------------------------------------------------------------------------------
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        if batch.policy_version != int(self.policy_version) or batch.retriever_version != self.retriever.version:
+            raise RuntimeError(
+                f"off-policy batch: generated by policy v{batch.policy_version}/retriever v{batch.retriever_version}, "
+                f"module is at v{int(self.policy_version)}/v{self.retriever.version}"
+            )
+        problem = RLProblem(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config)
+        logs = self.solver.step(problem, self._updates())
+        self.policy_version += 1
+        for scheduler in self._schedulers():
+            scheduler.step()
+        logs.update(problem.stats)
+        logs.update(
+            {
+                "train/reward": float(batch.rewards.mean()),
+                "train/searches": float(batch.num_searches.float().mean()),
+                "train/turns": float(batch.turns.float().mean()),
+                "train/response_tokens": float(batch.action_mask.sum(-1).mean()),
+                "retriever/version": float(self.retriever.version),
+            }
+        )
+        self.log_dict(logs, batch_size=batch.batch_size)
+        self.log("reward", logs["train/reward"], prog_bar=True, logger=False, batch_size=batch.batch_size)
+
+    def _schedulers(self) -> list:
+        schedulers = self.lr_schedulers()
+        if schedulers is None:
+            return []
+        return list(schedulers) if isinstance(schedulers, list | tuple) else [schedulers]
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def _eval_step(self, batch: RolloutBatch, stage: str) -> None:
+        key = f"{stage}/{batch.dataset}"
+        if key not in self.metrics:
+            self.metrics[key] = QAMetrics().to(self.device)
+        actions = (batch.valid_actions + batch.invalid_actions).tolist()
+        self.metrics[key].update(
+            batch.answers, batch.golds, batch.turns.tolist(), batch.num_searches.tolist(),
+            batch.valid_actions.tolist(), actions,
+        )
+        self.last_eval_batches.setdefault(key, []).append(batch)
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        per_dataset = {}
+        for key, metric in self.metrics.items():
+            if not key.startswith(stage + "/"):
+                continue
+            values = {name: float(v) for name, v in metric.compute().items()}
+            per_dataset[key] = values
+            self.log_dict({f"{key}/{name}": v for name, v in values.items()}, sync_dist=False)
+            metric.reset()
+        if per_dataset:
+            for name in ("em", "f1"):
+                mean = sum(v[name] for v in per_dataset.values()) / len(per_dataset)
+                self.log(f"{stage}/{name}", mean, prog_bar=name == "em")
+
+    def on_validation_epoch_start(self) -> None:
+        self.last_eval_batches = {k: v for k, v in self.last_eval_batches.items() if not k.startswith("val/")}
+
+    def validation_step(self, batch: RolloutBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def on_test_epoch_start(self) -> None:
+        self.last_eval_batches = {k: v for k, v in self.last_eval_batches.items() if not k.startswith("test/")}
+
+    def test_step(self, batch: RolloutBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def predict_step(self, batch: RolloutBatch, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
+        return [
+            {"id": i, "question": q, "response": r, "prediction": a, "golden_answers": g}
+            for i, q, r, a, g in zip(batch.example_ids, batch.questions, batch.responses, batch.answers, batch.golds)
+        ]
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep what trains (adapters, query encoders, value head, versions), drop frozen base weights."""
+        trained = {n for n, p in self.named_parameters() if p.requires_grad}
+        buffers = {"policy_version", "retriever._version"}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trained | buffers}
+        checkpoint["bridge"] = {
+            "solver": self.solver.state_dict(),
+            "rng": _rng_state(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("bridge", {})
+        self.solver.load_state_dict(state.get("solver", {}) or self.solver.state_dict())
+        if "rng" in state:
+            _set_rng_state(state["rng"])
+
+
+class _JointOptimizer:
+    """Steps several optimizers as one (the PPO critic head trains in the policy's backward)."""
+
+    def __init__(self, optimizers: list) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def _rng_state() -> dict:
+    """Python, NumPy and torch RNG states as tensors/ints (loadable with ``weights_only=True``)."""
+    version, py_state, gauss = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": torch.tensor(py_state, dtype=torch.long),
+        "python_version": version,
+        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate((state["python_version"], tuple(state["python"].tolist()), None))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

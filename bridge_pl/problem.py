@@ -1,0 +1,210 @@
+"""The losses of one rollout batch: the :class:`~bridge_pl.bilevel.BilevelProblem` the solvers step on.
+
+Upper level F: the clipped RL surrogate on policy-generated tokens (θ) and the policy-gradient credit
+for the retrieved lists (φ). Lower level G: KL(Q_θ ‖ P_φ), the LM-supervised retrieval loss, on the
+search calls chosen for LM credit (METHOD.md sections 2-4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bridge_pl import rl
+from bridge_pl.policy import Policy
+from bridge_pl.retrieval.base import Retriever
+from bridge_pl.retrieval.credit import coupling_weights, lm_supervised_kl, plackett_luce_logprob
+from bridge_pl.rollout.batch import RolloutBatch
+
+
+@dataclass
+class RLConfig:
+    """Hyper-parameters of the losses (all exposed as ``BridgeModule`` init args).
+
+    Args:
+        algorithm: ``grpo`` (group-normalised outcome advantages) or ``ppo`` (value head + GAE).
+        clip_low, clip_high: PPO ratio clip range [1 − clip_low, 1 + clip_high].
+        dual_clip: dual-clip constant c > 1 for negative advantages (None: off).
+        kl_coef, kl_kind: KL penalty to the reference policy (adapter off) in the loss; kind k1/k2/k3.
+        entropy_coef: entropy bonus.
+        loss_agg: token aggregation mode of :func:`bridge_pl.rl.agg_loss`.
+        scale_by_std: GRPO divides by the group std.
+        gamma, gae_lambda, value_coef, value_clip: PPO critic settings.
+        retrieval_temperature: τ_r of P_φ = softmax(score / τ_r) (sampling and G).
+        teacher_temperature: β of Q_θ = softmax(ℓ_θ / β).
+        mask_observations: False is the ablation that trains on retrieved tokens too.
+    """
+
+    algorithm: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.001
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    scale_by_std: bool = True
+    gamma: float = 1.0
+    gae_lambda: float = 1.0
+    value_coef: float = 0.5
+    value_clip: float | None = 0.2
+    retrieval_temperature: float = 0.1
+    teacher_temperature: float = 1.0
+    mask_observations: bool = True
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("grpo", "ppo"):
+            raise ValueError(f"model.algorithm must be 'grpo' or 'ppo', got '{self.algorithm}'")
+        if self.kl_kind not in rl.KL_KINDS:
+            raise ValueError(f"model.kl_kind must be one of {rl.KL_KINDS}, got '{self.kl_kind}'")
+        if self.loss_agg not in rl.AGG_MODES:
+            raise ValueError(f"model.loss_agg must be one of {rl.AGG_MODES}, got '{self.loss_agg}'")
+
+
+class RLProblem:
+    """Losses of one batch. Quantities that do not change during the iteration are computed once here.
+
+    Args:
+        policy: π_θ.
+        retriever: the retriever (its ``query_encoder`` is φ).
+        psi: ψ, the reference copy of the query encoder (``bridge`` mode), else None.
+        value_head: the PPO critic head, else None.
+        batch: the rollout batch (on the module's device).
+        config: loss settings.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        retriever: Retriever,
+        psi: nn.Module | None,
+        value_head: nn.Module | None,
+        batch: RolloutBatch,
+        config: RLConfig,
+    ) -> None:
+        self.policy, self.retriever, self.psi, self.value_head = policy, retriever, psi, value_head
+        self.batch, self.cfg = batch, config
+        self.stats: dict[str, float] = {}
+        # The loss mask: policy tokens only, unless the ablation also trains on observations.
+        self.mask = batch.action_mask if config.mask_observations else self._all_response_tokens()
+        with torch.no_grad():
+            self.ref_logprobs = (
+                policy.reference_logprobs(batch.input_ids, batch.attention_mask) if config.kl_coef > 0 else None
+            )
+            self.seq_advantages, self.advantages, self.old_values, self.returns = self._advantages()
+            self.lm_scores = self._lm_scores() if batch.credit_searches.numel() else None
+
+    # ---- precomputation -------------------------------------------------------------------------
+    def _all_response_tokens(self) -> torch.Tensor:
+        """``[B, T]``: every non-pad token after the prompt (policy tokens and observations)."""
+        first = self.batch.action_mask.argmax(-1, keepdim=True)
+        positions = torch.arange(self.batch.input_ids.shape[1], device=first.device)
+        after_prompt = (positions >= first) & self.batch.action_mask.any(-1, keepdim=True)
+        return (after_prompt & self.batch.attention_mask.bool()).float()
+
+    def _advantages(self):
+        batch, cfg = self.batch, self.cfg
+        if cfg.algorithm == "grpo":
+            seq = rl.grpo_advantages(batch.rewards, batch.group_ids, scale_by_std=cfg.scale_by_std)
+            return seq, rl.broadcast_to_tokens(seq, self.mask), None, None
+        hidden = self.policy(batch.input_ids, batch.attention_mask)[2]
+        values = self.value_head(hidden.float()).squeeze(-1)
+        token_rewards = torch.zeros_like(self.mask)
+        last = (self.mask * torch.arange(self.mask.shape[1], device=self.mask.device)).argmax(-1)
+        token_rewards[torch.arange(len(last)), last] = batch.rewards
+        adv, returns = rl.gae(token_rewards, values, self.mask, cfg.gamma, cfg.gae_lambda)
+        adv = rl.masked_whiten(adv, self.mask)
+        seq = rl.masked_mean(adv, self.mask, dim=-1)
+        return seq, adv, values, returns
+
+    def _lm_scores(self) -> torch.Tensor:
+        """ℓ_θ(d) ``[S', K']``: mean log-prob of the gold answer with only candidate d retrieved."""
+        batch = self.batch
+        S, K = batch.credit_searches.numel(), batch.search_candidates.shape[1]
+        return self.policy.sequence_loglik(batch.credit_sequences).view(S, K)
+
+    # ---- the BilevelProblem protocol ------------------------------------------------------------
+    def policy_parameters(self) -> list[torch.Tensor]:
+        return self.policy.trainable_parameters()
+
+    def phi_parameters(self) -> list[torch.Tensor]:
+        encoder = self.retriever.query_encoder
+        return [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
+
+    def policy_loss(self) -> torch.Tensor:
+        batch, cfg, mask = self.batch, self.cfg, self.mask
+        logp, entropy, hidden = self.policy(batch.input_ids, batch.attention_mask)
+        clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
+        loss = rl.policy_loss(logp, batch.old_logprobs, self.advantages, mask, agg=cfg.loss_agg, **clip)
+        stats = rl.policy_loss_stats(logp, batch.old_logprobs, self.advantages, mask, **clip)
+        self.stats.update(
+            {
+                "policy/clip_fraction": stats.clip_fraction,
+                "policy/approx_kl": stats.approx_kl,
+                "policy/entropy": float(rl.masked_mean(entropy.detach(), mask)),
+            }
+        )
+        if self.ref_logprobs is not None:
+            kl = rl.agg_loss(rl.kl_penalty(logp, self.ref_logprobs, cfg.kl_kind), mask, cfg.loss_agg)
+            self.stats["policy/kl_ref"] = float(kl.detach())
+            loss = loss + cfg.kl_coef * kl
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * rl.agg_loss(entropy, mask, cfg.loss_agg)
+        if self.value_head is not None:
+            values = self.value_head(hidden.detach().float()).squeeze(-1)
+            vloss = rl.value_loss(values, self.old_values, self.returns, mask, clip=cfg.value_clip, agg=cfg.loss_agg)
+            self.stats["critic/value_loss"] = float(vloss.detach())
+            loss = loss + cfg.value_coef * vloss
+        return loss
+
+    def _scores(self, searches: torch.Tensor, encoder: nn.Module | None) -> torch.Tensor:
+        """Retriever scores / τ of the candidates of ``searches``: ``[S'] -> [S', K']`` (padding slots arbitrary)."""
+        batch = self.batch
+        queries = [batch.search_queries[i] for i in searches.tolist()]
+        rows = batch.search_candidates[searches]
+        scores = self.retriever.score(queries, rows.clamp(min=0), query_encoder=encoder).float()
+        return scores / self.cfg.retrieval_temperature
+
+    def retriever_upper_loss(self) -> torch.Tensor:
+        """−mean_i A_i Σ_j log P_φ(D_ij): REINFORCE credit of trajectory i's advantage to its retrieved lists."""
+        batch = self.batch
+        S = batch.search_traj.numel()
+        if S == 0:
+            return self._zero_phi()
+        every = torch.arange(S, device=batch.search_traj.device)
+        logits = self._scores(every, None)
+        logp = plackett_luce_logprob(logits, batch.search_order, valid=batch.search_valid)
+        credit = self.seq_advantages[batch.search_traj].detach()
+        return -(credit * logp).sum() / batch.batch_size
+
+    def lower_loss(self, encoder: str, detach_teacher: bool = True) -> torch.Tensor:
+        if self.lm_scores is None:
+            return self._zero_phi()
+        batch = self.batch
+        module = self.psi if encoder == "psi" else None
+        logits = self._scores(batch.credit_searches, module)
+        lm = self.lm_scores if detach_teacher else self._lm_scores()
+        valid = batch.search_valid[batch.credit_searches]
+        # logits are already score/τ, so τ = 1 here
+        kl = lm_supervised_kl(logits, lm, 1.0, self.cfg.teacher_temperature, valid=valid, detach_teacher=detach_teacher)
+        return kl.mean()
+
+    def coupling_loss(self, lam: float) -> torch.Tensor:
+        if self.lm_scores is None or lam == 0 or self.psi is None:
+            return torch.zeros((), device=self.batch.input_ids.device)
+        batch = self.batch
+        valid = batch.search_valid[batch.credit_searches]
+        with torch.no_grad():
+            phi = self._scores(batch.credit_searches, None)
+            psi = self._scores(batch.credit_searches, self.psi)
+            weights = coupling_weights(self.lm_scores, phi, psi, 1.0, self.cfg.teacher_temperature, lam, valid=valid)
+        weights = weights / batch.credit_searches.numel()  # G is a mean over queries
+        self.stats["bridge/coupling_weight_abs"] = float(weights.abs().sum())
+        return (weights * self._lm_scores().masked_fill(~valid, 0.0)).sum()
+
+    def _zero_phi(self) -> torch.Tensor:
+        """A zero that still belongs to φ's graph (so optimizers see zero grads, not missing ones)."""
+        params = self.phi_parameters()
+        return sum(p.sum() * 0.0 for p in params) if params else torch.zeros(())

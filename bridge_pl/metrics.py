@@ -49,7 +49,8 @@ class QAMetrics(Metric):
       of per-question rates), in [0, 1].
 
     With no data every value is 0 (not NaN), and ``compute()`` before ``update()`` does not warn.
-    Sums are kept in float64 so the result does not depend on how questions are split across processes.
+    Sums are kept in float64 so the result does not depend on how questions are split across processes;
+    they follow the module's device but never its dtype (a bf16-cast LightningModule keeps them float64).
     """
 
     full_state_update = False
@@ -90,8 +91,10 @@ class QAMetrics(Metric):
             if (values < 0).any():
                 raise ValueError(f"QAMetrics.update: {field} must be non-negative, got {values.tolist()}")
         if (tensors["valid_actions"] > tensors["actions"]).any():
-            raise ValueError("QAMetrics.update: valid_actions exceeds actions for some question: "
-                             f"{tensors['valid_actions'].tolist()} vs {tensors['actions'].tolist()}")
+            raise ValueError(
+                "QAMetrics.update: valid_actions exceeds actions for some question: "
+                f"{tensors['valid_actions'].tolist()} vs {tensors['actions'].tolist()}"
+            )
 
         for name, score in (("em", exact_match), ("f1", f1_score), ("sub_em", sub_exact_match)):
             setattr(self, name, getattr(self, name) + sum(map(score, predictions, golds)))

@@ -86,8 +86,9 @@ def f1_score(prediction: str | None, golds: Sequence[str]) -> float:
 @functools.lru_cache(maxsize=16)
 def _answer_pattern(open_tag: str, close_tag: str) -> re.Pattern[str]:
     if not open_tag or not close_tag or open_tag == close_tag:
-        raise ValueError(f"answer tags must be non-empty and distinct, got open_tag={open_tag!r}, "
-                         f"close_tag={close_tag!r}")
+        raise ValueError(
+            f"answer tags must be non-empty and distinct, got open_tag={open_tag!r}, close_tag={close_tag!r}"
+        )
     opening = re.escape(open_tag)
     # The content may not contain another opening tag, so "<a>x <a>y</a>" yields "y".
     return re.compile(f"{opening}((?:(?!{opening}).)*?){re.escape(close_tag)}", re.DOTALL)
@@ -228,8 +229,10 @@ class ExactMatchReward(_AnswerScoreReward):
         if not 0.0 <= format_bonus < 0.5:
             raise ValueError(f"ExactMatchReward: format_bonus must be in [0, 0.5), got {format_bonus}")
         if format_bonus > 0 and skip_first:
-            raise ValueError("ExactMatchReward: format_bonus > 0 checks the format of the response alone, "
-                             "but skip_first=True means the text includes the prompt; use one or the other")
+            raise ValueError(
+                "ExactMatchReward: format_bonus > 0 checks the format of the response alone, "
+                "but skip_first=True means the text includes the prompt; use one or the other"
+            )
         self.format_bonus = format_bonus
         self.name = "em_format" if format_bonus > 0 else "em"
 

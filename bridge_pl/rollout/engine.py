@@ -1,0 +1,390 @@
+"""Batched multi-turn generation with search calls, reusing the KV cache across turns.
+
+All active trajectories decode together, one token per forward. A trajectory's turn ends at EOS, at the
+per-turn budget, or on the token that completes a stop string (``</search>`` / ``</answer>``); rows that
+already stopped are fed a padding token with attention mask 0 (a "hole") until every row has stopped.
+Then the env parses each turn, ``search_fn`` runs once for all queries of the batch, finished rows are
+pruned from the cache, and each remaining row's last sampled token plus its env text (observation or
+message) is appended to the cache in one forward, left-padded within that chunk. Positions are always
+``cumsum(attention_mask) - 1``, so left padding and holes never shift them; between turns the cache is
+compacted (each row's real entries right-aligned, columns that are padding in every row dropped).
+
+Ids recorded are exactly the ids sampled (a turn is never re-tokenised); the env's text is tokenised on its
+own and recorded as appended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from bridge_pl.data.qa import Passage
+from bridge_pl.rollout.env import Action, SearchEnv
+
+
+@dataclass
+class SearchOutcome:
+    """What the caller's ``search_fn`` returns for one query."""
+
+    candidate_rows: list[int]  # the K' FAISS candidates (retriever rows)
+    passage_rows: list[int]  # the k passages shown, in order
+    logprob: float  # log-prob of that ordered list under the retriever's sampling distribution
+    passages: list[Passage]  # the passages of passage_rows, in order
+
+
+@dataclass
+class SearchCall:
+    """One executed search, as recorded in a trajectory (``turn`` is 1-based)."""
+
+    query: str
+    turn: int
+    outcome: SearchOutcome
+
+
+@dataclass
+class Trajectory:
+    """One rollout. ``action_mask[i] = 1`` exactly where ``response_ids[i]`` was sampled by the policy."""
+
+    prompt_index: int  # index into the prompts list (the GRPO group)
+    prompt_ids: list[int]
+    response_ids: list[int]  # generated tokens + env tokens (observations, messages), in order
+    action_mask: list[int]
+    response_text: str  # decode of response_ids (special tokens kept)
+    searches: list[SearchCall]
+    turns: int  # generation turns taken
+    valid_actions: int
+    invalid_actions: int
+    finished: bool  # ended with an answer (vs the turn or token limit)
+
+
+@dataclass
+class _Rollout:
+    """Mutable per-trajectory state while generating."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    searches: list[SearchCall] = field(default_factory=list)
+    turns: int = 0
+    valid: int = 0
+    invalid: int = 0
+    finished: bool = False
+
+    def extend(self, ids: list[int], action: int) -> None:
+        self.response_ids.extend(ids)
+        self.action_mask.extend([action] * len(ids))
+
+
+# transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes away).
+_CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+SearchFn = Callable[[list[str]], list[SearchOutcome]]
+
+
+class StopMatcher:
+    """Decides after each sampled token whether a turn is over (EOS or a completed stop string).
+
+    Only a token whose text contains the last character of some stop string can complete it, so the tail
+    is decoded only for those tokens; the tail window is as many tokens as the longest stop string has
+    characters (every non-special token decodes to at least one character).
+    """
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str], eos_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(stop_strings)
+        self.eos_ids = eos_ids
+        self.window = max(len(s) for s in self.stop_strings)
+        last_chars = {s[-1] for s in self.stop_strings}
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        self.may_complete = [any(ch in t for ch in last_chars) for t in texts]
+
+    def stops(self, turn_ids: list[int]) -> bool:
+        tok = turn_ids[-1]
+        if tok in self.eos_ids:
+            return True
+        if tok < len(self.may_complete) and not self.may_complete[tok]:
+            return False
+        tail = self.tokenizer.decode(turn_ids[-self.window:])
+        return any(s in tail for s in self.stop_strings)
+
+
+class RolloutEngine:
+    """Batched multi-turn rollouts of a causal LM against a :class:`SearchEnv`.
+
+    Episode rules: a turn ends at EOS (the EOS token is kept, mask 1), at the per-turn budget, or on the
+    token completing a stop string. An answer ends the episode (``finished``); a search or invalid turn
+    gets the env's reply and the episode goes on. Turn ``max_turns + 1`` is final: its reply is never
+    generated, and a search there is not executed and counts as invalid. Sampled tokens have mask 1, env
+    tokens mask 0.
+
+    Args:
+        env: the tag grammar and reply texts.
+        max_turns: turns in which a search is executed; one more, final turn may only answer.
+        max_new_tokens_per_turn: sampled tokens per turn at most.
+        max_response_tokens: response length (sampled + env tokens) at most; a trajectory whose next env
+            text would leave no room for another token ends there (unfinished, the search not recorded).
+        temperature, top_p: sampling parameters (ignored when ``greedy``).
+    """
+
+    def __init__(
+        self,
+        env: SearchEnv,
+        max_turns: int = 4,
+        max_new_tokens_per_turn: int = 500,
+        max_response_tokens: int = 3000,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> None:
+        for name, value in (("max_turns", max_turns), ("max_new_tokens_per_turn", max_new_tokens_per_turn),
+                            ("max_response_tokens", max_response_tokens)):
+            if value < 1:
+                raise ValueError(f"RolloutEngine.{name} must be >= 1, got {value}")
+        if temperature <= 0:
+            raise ValueError(f"RolloutEngine.temperature must be > 0 (use greedy=True), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"RolloutEngine.top_p must be in (0, 1], got {top_p}")
+        self.env = env
+        self.max_turns = max_turns
+        self.max_new_tokens_per_turn = max_new_tokens_per_turn
+        self.max_response_tokens = max_response_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self._matcher: tuple[object, StopMatcher] | None = None  # (tokenizer, matcher) cache
+
+    # ---- public -------------------------------------------------------------------------------
+    def generate(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        prompts: list[list[int]],
+        search_fn: SearchFn,
+        n_samples: int = 1,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> list[Trajectory]:
+        """Roll out ``n_samples`` trajectories per prompt, prompt-major (``[p0s0, p0s1, …, p1s0, …]``).
+
+        Runs under ``torch.no_grad()`` in eval mode and restores the model's previous mode. ``search_fn``
+        is called once per turn with every query issued in that turn (never with an empty list).
+        ``generator`` must live on the model's device.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("RolloutEngine.generate: prompts must be a non-empty list of non-empty id lists")
+        if n_samples < 1:
+            raise ValueError(f"RolloutEngine.generate: n_samples must be >= 1, got {n_samples}")
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                rollouts = self._run(model, tokenizer, prompts, search_fn, n_samples, greedy, generator)
+        finally:
+            model.train(was_training)
+        return [
+            Trajectory(
+                prompt_index=r.prompt_index, prompt_ids=r.prompt_ids, response_ids=r.response_ids,
+                action_mask=r.action_mask, response_text=tokenizer.decode(r.response_ids),
+                searches=r.searches, turns=r.turns, valid_actions=r.valid, invalid_actions=r.invalid,
+                finished=r.finished,
+            )
+            for r in rollouts
+        ]
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _run(self, model, tokenizer, prompts, search_fn, n_samples, greedy, generator) -> list[_Rollout]:
+        device = next(model.parameters()).device
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        matcher = self._stop_matcher(tokenizer, eos_token_ids(model, tokenizer))
+        rollouts = [_Rollout(p, list(prompts[p])) for p in range(len(prompts)) for _ in range(n_samples)]
+
+        # Prefill each distinct prompt once, then copy its cache row n_samples times.
+        ids, attn = _left_pad([list(p) for p in prompts], pad_id, device)
+        logits, cache = _forward(model, ids, attn, None)
+        if n_samples > 1:
+            cache.batch_repeat_interleave(n_samples)
+            attn = attn.repeat_interleave(n_samples, dim=0)
+            logits = logits.repeat_interleave(n_samples, dim=0)
+        rows = list(range(len(rollouts)))  # rows[i]: the rollout in batch row i
+
+        for turn in range(1, self.max_turns + 2):
+            room = [self.max_response_tokens - len(rollouts[r].response_ids) for r in rows]
+            budgets = [min(self.max_new_tokens_per_turn, n) for n in room]
+            turn_ids, unfed, logits, attn = self._decode_turn(
+                model, cache, attn, logits, budgets, matcher, pad_id, greedy, generator
+            )
+            actions = []
+            for i, r in enumerate(rows):
+                rollouts[r].extend(turn_ids[i], 1)
+                rollouts[r].turns += 1
+                actions.append(self.env.parse_action(tokenizer.decode(turn_ids[i])))
+            replies = self._env_step(rollouts, rows, actions, turn, search_fn, tokenizer)
+
+            keep = [i for i, reply in enumerate(replies) if reply is not None]
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                cache.batch_select_indices(torch.tensor(keep, device=device))
+                attn = attn[keep]
+            attn = _compact(cache, attn)
+            chunk_ids, chunk_attn = _left_pad([unfed[i] + replies[i] for i in keep], pad_id, device)
+            attn = torch.cat([attn, chunk_attn], dim=1)
+            logits, cache = _forward(model, chunk_ids, attn, cache)
+            rows = [rows[i] for i in keep]
+        return rollouts
+
+    def _decode_turn(self, model, cache, attn, logits, budgets, matcher, pad_id, greedy, generator):
+        """Sample one turn for every batch row.
+
+        Returns the sampled ids per row, the ids not yet fed to the cache per row (the last token of rows
+        that stopped on the last step), and the updated logits ``[B, V]`` and attention mask ``[B, L]``.
+        """
+        B = len(budgets)
+        turn_ids: list[list[int]] = [[] for _ in range(B)]
+        running = [True] * B
+        while True:
+            tokens = _sample(logits, greedy, self.temperature, self.top_p, generator).tolist()
+            fed = list(running)
+            for i in range(B):
+                if not running[i]:
+                    tokens[i] = pad_id
+                    continue
+                turn_ids[i].append(tokens[i])
+                if len(turn_ids[i]) >= budgets[i] or matcher.stops(turn_ids[i]):
+                    running[i] = False
+            if not any(running):
+                unfed = [[tokens[i]] if fed[i] else [] for i in range(B)]
+                return turn_ids, unfed, logits, attn
+            step_mask = torch.tensor(fed, dtype=attn.dtype, device=attn.device)[:, None]
+            attn = torch.cat([attn, step_mask], dim=1)
+            step_ids = torch.tensor(tokens, dtype=torch.long, device=attn.device)[:, None]
+            logits, _ = _forward(model, step_ids, attn, cache)
+
+    def _env_step(self, rollouts, rows, actions: list[Action], turn: int, search_fn: SearchFn, tokenizer):
+        """Apply the turn's actions. Returns per batch row the env ids to append, or None if it is done."""
+        final = turn == self.max_turns + 1
+        pending = []  # batch rows that go on and need a reply
+        for i, (r, action) in enumerate(zip(rows, actions, strict=True)):
+            ro = rollouts[r]
+            if action.kind == "answer":
+                ro.valid += 1
+                ro.finished = True
+                continue
+            if final or action.kind == "invalid":  # a search in the final turn is not executed
+                ro.invalid += 1
+            else:
+                ro.valid += 1
+            if not final and len(ro.response_ids) < self.max_response_tokens:
+                pending.append(i)
+        searching = [i for i in pending if actions[i].kind == "search"]
+        outcomes = dict(zip(searching, self._search(search_fn, [actions[i].content for i in searching]),
+                            strict=True))
+        replies: list[list[int] | None] = [None] * len(rows)
+        for i in pending:
+            ro = rollouts[rows[i]]
+            outcome = outcomes.get(i)
+            text = self.env.reply(actions[i], outcome.passages if outcome else None, turn == self.max_turns)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise ValueError(f"the env reply {text!r} tokenizes to nothing; replies must be non-empty")
+            if len(ro.response_ids) + len(ids) >= self.max_response_tokens:
+                continue  # no room to generate after it: the episode ends here, unfinished
+            ro.extend(ids, 0)
+            if outcome is not None:
+                ro.searches.append(SearchCall(actions[i].content, turn, outcome))
+            replies[i] = ids
+        return replies
+
+    @staticmethod
+    def _search(search_fn: SearchFn, queries: list[str]) -> list[SearchOutcome]:
+        if not queries:
+            return []
+        outcomes = search_fn(queries)
+        if len(outcomes) != len(queries):
+            raise ValueError(f"search_fn returned {len(outcomes)} outcomes for {len(queries)} queries")
+        return outcomes
+
+    def _stop_matcher(self, tokenizer, eos_ids: set[int]) -> StopMatcher:
+        if self._matcher is None or self._matcher[0] is not tokenizer or self._matcher[1].eos_ids != eos_ids:
+            self._matcher = (tokenizer, StopMatcher(tokenizer, self.env.stop_strings, eos_ids))
+        return self._matcher[1]
+
+
+# ---- tensor helpers ---------------------------------------------------------------------------
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The tokenizer's EOS id plus the model's ``generation_config.eos_token_id`` (an id or a list)."""
+    ids = set()
+    config = getattr(model, "generation_config", None)
+    for value in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(value)
+    return ids
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad id lists: ids ``[B, T]`` and attention mask ``[B, T]`` (1 on real tokens)."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        if s:
+            ids[b, T - len(s):] = torch.tensor(s, dtype=torch.long)
+            attn[b, T - len(s):] = 1
+    return ids.to(device), attn.to(device)
+
+
+def _forward(model, ids: torch.Tensor, attn: torch.Tensor, cache):
+    """Feed ``ids [B, T]`` after ``cache``; ``attn [B, L]`` covers cache + new tokens.
+
+    Returns the next-token logits ``[B, V]`` (float32) after the last new position, and the cache.
+    """
+    positions = (attn.cumsum(dim=1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1,
+                **{_CACHE: cache})
+    return out.logits[:, -1].float(), getattr(out, _CACHE)
+
+
+def _sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ``[B]`` from logits ``[B, V]``: argmax, or temperature + nucleus (top-p) sampling."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs > top_p  # the top token is always kept
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def _compact(cache, attn: torch.Tensor) -> torch.Tensor:
+    """Right-align each row's real cache entries and drop columns that are then padding in every row.
+
+    RoPE is applied before caching and positions come from the mask, so moving entries changes nothing
+    but the memory and time later steps spend on holes. Only plain ``DynamicLayer`` caches are compacted
+    (sliding-window or other layer types are left as they are). Returns the new mask ``[B, L']``.
+    """
+    length = int(attn.sum(dim=1).max())
+    layers = getattr(cache, "layers", None)
+    if length == attn.shape[1] or not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return attn
+    index = torch.sort(attn, dim=1, stable=True).indices[:, -length:]  # pads first, real entries in order
+    for layer in layers:
+        if not layer.is_initialized or layer.keys.numel() == 0:
+            continue
+        layer.keys = _gather_positions(layer.keys, index)
+        layer.values = _gather_positions(layer.values, index)
+    return attn.gather(1, index)
+
+
+def _gather_positions(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``states [B, H, L, D]`` at positions ``index [B, L']`` of each row: ``[B, H, L', D]``."""
+    B, H, _, D = states.shape
+    return states.gather(2, index[:, None, :, None].expand(B, H, index.shape[1], D))

@@ -56,13 +56,16 @@ class EncoderTower(nn.Module):
         prefix: str = "", max_length: int = 64,
     ) -> None:
         super().__init__()
+        if getattr(encoder, "pooler", None) is not None:
+            # We pool ourselves; an unused HF pooler would cost compute and leave DDP with params
+            # that never get a grad.
+            encoder.pooler = None
         self.encoder = encoder
         self.tokenizer = tokenizer
         self.pooling = _choice("pooling", pooling, POOLINGS)
         self.normalize = normalize
         self.prefix = prefix
         self.max_length = max_length
-        self.frozen = False
         self._hash_key: tuple | None = None
         self._hash = ""
 
@@ -75,13 +78,8 @@ class EncoderTower(nn.Module):
         return next(self.encoder.parameters()).device
 
     def freeze(self) -> EncoderTower:
-        """No grads, and eval mode that ``.train()`` does not undo (no dropout in passage embeddings)."""
-        self.requires_grad_(False)
-        self.frozen = True
-        return self.eval()
-
-    def train(self, mode: bool = True) -> EncoderTower:
-        return super().train(mode and not self.frozen)
+        """No grads from now on (its train/eval mode does not matter: corpus encodes run in eval mode)."""
+        return self.requires_grad_(False)
 
     def encode(
         self, texts: list[str], prefix: str | None = None, max_length: int | None = None
@@ -176,6 +174,8 @@ class DenseRetriever(Retriever):
         rerank_stale / rerank_factor: over-retrieve ``rerank_factor * k`` candidates from a (possibly
             stale) index and rerank them with the current passage tower (Atlas); implies ``allow_stale``.
         progress: show a tqdm bar while encoding the corpus.
+        disable_dropout: zero every ``nn.Dropout`` in the towers, so that :meth:`score` in train mode equals
+            the eval-mode :meth:`search` scores (the rollout's log-probs and the update's agree).
 
     Passages are encoded as ``Passage.contents`` (FlashRAG ``"title"\\ntext``).
     """
@@ -199,10 +199,12 @@ class DenseRetriever(Retriever):
         rerank_stale: bool = False,
         rerank_factor: int = 4,
         progress: bool = True,
+        disable_dropout: bool = True,
     ) -> None:
         super().__init__()
         from bridge_pl.models import load_encoder, load_tokenizer
 
+        _choice("pooling", pooling, POOLINGS)  # fail before loading any weights
         self.passage_tower = _choice("passage_tower", passage_tower, PASSAGE_TOWERS)
         self.index_kind = _choice("index", index, INDEX_KINDS)
         self.index_options = dict(index_options or {})
@@ -240,6 +242,11 @@ class DenseRetriever(Retriever):
             tower = EncoderTower(copy.deepcopy(hf_encoder), tokenizer, pooling, normalize, passage_prefix,
                                  max_passage_length)
             self._passage_tower = tower.freeze() if passage_tower == "frozen" else tower
+        if disable_dropout:
+            for module in self.modules():
+                if isinstance(module, nn.Dropout):
+                    module.p = 0.0
+        self.train()  # one mode for all submodules (from_pretrained leaves the encoder in eval mode)
         self._emb: np.ndarray | None = None  # [N, D] passage embeddings (memory-mapped on a cache hit)
         self._index: DenseIndex | None = None
 
@@ -390,7 +397,12 @@ class DenseRetriever(Retriever):
         """
         self._check_rows(queries, rows)
         tower = query_encoder if query_encoder is not None else self._query_tower
-        q = tower(queries)  # [Q, D]
+        return self._pair_scores(tower(queries), rows, query_encoder)
+
+    def _pair_scores(
+        self, q: torch.Tensor, rows: torch.Tensor, query_encoder: nn.Module | None = None
+    ) -> torch.Tensor:
+        """``[Q, K]`` inner products of query embeddings ``q`` ``[Q, D]`` with passages ``rows`` ``[Q, K]``."""
         p = self._passage_embeddings(rows, query_encoder).to(q.device)  # [Q, K, D]
         scores = torch.einsum("qd,qkd->qk", q, p)
         return scores.masked_fill(rows.to(q.device) < 0, float("-inf"))
@@ -411,7 +423,7 @@ class DenseRetriever(Retriever):
             if not rerank:
                 return index.search(q, k)
             _, cand = index.search(q, k * self.rerank_factor)
-            fresh = self.score(queries, cand).cpu()
+            fresh = self._pair_scores(q, cand).cpu()
         top = fresh.topk(k, dim=1)
         rows = cand.gather(1, top.indices)
         return top.values, rows.masked_fill(top.values == float("-inf"), -1)

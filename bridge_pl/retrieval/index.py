@@ -51,6 +51,19 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
     return path
 
 
+def topk_overlap(rows_a: torch.Tensor, rows_b: torch.Tensor) -> float:
+    """Mean over queries of ``|A_i ∩ B_i| / k`` for two ``[Q, k]`` row sets (padding -1 never counts).
+
+    Against exact rows this is recall@k of an approximate search.
+    """
+    if rows_a.shape != rows_b.shape or rows_a.dim() != 2:
+        raise ValueError(
+            f"topk_overlap wants two [Q, k] tensors, got {tuple(rows_a.shape)} and {tuple(rows_b.shape)}"
+        )
+    kept = [len((set(a.tolist()) & set(b.tolist())) - {-1}) for a, b in zip(rows_a, rows_b, strict=True)]
+    return sum(kept) / max(rows_a.numel(), 1)
+
+
 def faiss_gpu_available() -> bool:
     """Whether this ``faiss`` build has GPU support and sees at least one GPU."""
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0

@@ -1,0 +1,1 @@
+"""Lightning callbacks for bridge-pl, named in configs as ``callbacks.<Name>``."""

@@ -38,8 +38,14 @@ class BridgeCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("trainer_defaults", {"plugins": [AtomicCheckpointIO()]})
+        kwargs.setdefault("auto_configure_optimizers", False)  # two optimizers come from model init args
         super().__init__(BridgeModule, RolloutDataModule, *args, **kwargs)
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # sharded strategies keep their own
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def before_fit(self) -> None:
         logger = self.trainer.logger

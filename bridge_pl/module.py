@@ -135,9 +135,13 @@ class BridgeModule(L.LightningModule):
         if hp.policy_scheduler is not None:
             schedulers.append(hp.policy_scheduler(optimizers[0]))
         if self.solver.trains_retriever:
-            towers = [self.retriever.query_encoder] + ([self.psi] if self.psi is not None else [])
-            for tower in towers:
-                params = [p for p in tower.parameters() if p.requires_grad]
+            # φ's optimizer also owns a separately trained passage tower, if the retriever has one
+            passage_tower = getattr(self.retriever, "passage_encoder", None)
+            phi_towers = [self.retriever.query_encoder] + (
+                [passage_tower] if passage_tower is not None and passage_tower is not self.retriever.query_encoder else []
+            )
+            for towers in [phi_towers] + ([[self.psi]] if self.psi is not None else []):
+                params = [p for tower in towers for p in tower.parameters() if p.requires_grad]
                 optimizers.append(build(hp.retriever_optimizer, params, 1e-5))
                 if hp.retriever_scheduler is not None:
                     schedulers.append(hp.retriever_scheduler(optimizers[-1]))
@@ -148,7 +152,9 @@ class BridgeModule(L.LightningModule):
     def _updates(self) -> Updates:
         hp = self.hparams
         opts = self.optimizers()
-        opts = list(opts) if isinstance(opts, list | tuple) else [opts]
+        # Raw optimizers: a LightningOptimizer step would count as a trainer step, and one training step
+        # here is one whole iteration (see _count_iteration).
+        opts = [o.optimizer for o in (opts if isinstance(opts, list | tuple) else [opts])]
         policy_opt = opts.pop(0)
         critic_opt = opts.pop() if self.value_head is not None else None
         if critic_opt is not None:  # the critic head trains in the same backward as the policy
@@ -202,6 +208,7 @@ class BridgeModule(L.LightningModule):
         problem = RLProblem(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config)
         logs = self.solver.step(problem, self._updates())
         self.policy_version += 1
+        self._count_iteration()
         for scheduler in self._schedulers():
             scheduler.step()
         logs.update(problem.stats)
@@ -216,6 +223,12 @@ class BridgeModule(L.LightningModule):
         )
         self.log_dict(logs, batch_size=batch.batch_size)
         self.log("reward", logs["train/reward"], prog_bar=True, logger=False, batch_size=batch.batch_size)
+
+    def _count_iteration(self) -> None:
+        """Advance ``trainer.global_step`` by exactly one per iteration, however many inner steps ran."""
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
 
     def _schedulers(self) -> list:
         schedulers = self.lr_schedulers()
@@ -277,7 +290,7 @@ class BridgeModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep what trains (adapters, query encoders, value head, versions), drop frozen base weights."""
         trained = {n for n, p in self.named_parameters() if p.requires_grad}
-        buffers = {"policy_version", "retriever._version"}
+        buffers = {"policy_version", "retriever._update_count"}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trained | buffers}
         checkpoint["bridge"] = {
             "solver": self.solver.state_dict(),

@@ -115,6 +115,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._sets: dict[str, list[QAExample]] = {}
         self._engine: RolloutEngine | None = None
         self._generator: torch.Generator | None = None
+        self._generator_state: torch.Tensor | None = None  # restored from a checkpoint, applied lazily
 
     # ---- data -----------------------------------------------------------------------------------
     def _load(self, source: str, limit: int | None = None) -> list[QAExample]:
@@ -143,11 +144,16 @@ class RolloutDataModule(L.LightningDataModule):
     def predict_dataloader(self) -> list[DataLoader]:
         return self._eval_loaders(self.test_sources)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed": self.consumed}
+    def state_dict(self) -> dict:
+        """The data position and the sampling generator's state (saved in checkpoints)."""
+        state: dict = {"consumed": self.consumed}
+        if self._generator is not None:
+            state["generator"] = self._generator.get_state()
+        return state
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: dict) -> None:
         self.consumed = int(state_dict["consumed"])
+        self._generator_state = state_dict.get("generator")
 
     # ---- prompts --------------------------------------------------------------------------------
     def prompt_ids(self, tokenizer, question: str) -> list[int]:
@@ -168,6 +174,9 @@ class RolloutDataModule(L.LightningDataModule):
             return "train", True
         sources = self.val_sources if (trainer.validating or trainer.sanity_checking) else self.test_sources
         return list(sources)[dataloader_idx], False
+
+    def transfer_batch_to_device(self, batch: list[QAExample], device, dataloader_idx: int) -> list[QAExample]:
+        return batch  # plain examples stay on the host; the rollout below lands on the device
 
     def on_after_batch_transfer(self, batch: list[QAExample], dataloader_idx: int) -> RolloutBatch:
         dataset, training = self._stage_name(dataloader_idx)
@@ -190,6 +199,8 @@ class RolloutDataModule(L.LightningDataModule):
             self._generator = torch.Generator(device=module.device).manual_seed(
                 self.seed + 7919 * (self.trainer.global_rank if self.trainer else 0)
             )
+            if self._generator_state is not None:
+                self._generator.set_state(self._generator_state)
         prompts = [self.prompt_ids(tokenizer, ex.question) for ex in examples]
         n = self.n_samples if training else 1
         trajectories = self._engine.generate(

@@ -118,7 +118,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._generator_state: torch.Tensor | None = None  # restored from a checkpoint, applied lazily
 
     # ---- data -----------------------------------------------------------------------------------
-    def _load(self, source: str, limit: int | None = None) -> list[QAExample]:
+    def load(self, source: str, limit: int | None = None) -> list[QAExample]:
         if source not in self._sets:
             self._sets[source] = load_qa(source)
         return self._sets[source][:limit] if limit is not None else self._sets[source]
@@ -126,12 +126,12 @@ class RolloutDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        stream = _PromptStream(self._load(self.train_source), self.batch_size, self.seed, self.consumed, rank, world)
+        stream = _PromptStream(self.load(self.train_source), self.batch_size, self.seed, self.consumed, rank, world)
         return DataLoader(stream, batch_size=None)
 
     def _eval_loaders(self, sources: dict[str, str]) -> list[DataLoader]:
         return [
-            DataLoader(self._load(src, self.max_eval_examples), batch_size=self.eval_batch_size, collate_fn=list)
+            DataLoader(self.load(src, self.max_eval_examples), batch_size=self.eval_batch_size, collate_fn=list)
             for src in sources.values()
         ]
 

@@ -153,7 +153,9 @@ def read_qa(path: str | Path) -> list[QAExample]:
 
 def _split_contents(contents: str) -> tuple[str, str]:
     """FlashRAG ``contents`` -> ``(title, text)``: first line is the title, quotes around it optional."""
-    title, _, text = contents.partition("\n")
+    title, newline, text = contents.partition("\n")
+    if not newline:
+        return "", contents
     title = title.strip()
     if len(title) >= 2 and title[0] == title[-1] == '"':
         title = title[1:-1]

@@ -2,15 +2,17 @@
 
 Every fact lives only in the world's passages (invented, pronounceable names), so a pretrained LM cannot
 answer from memory and must search. Entities: countries (capital, currency), cities (country, river,
-founding year), people (birthplace, birth year, profession, workplace, mentor) and organisations
-(founder, seat, founding year). Each entity has a short encyclopedic lead passage titled with its name;
-about half the people also have a "career" passage (same title) that mentions them without their
-birth facts.
+founding year), people (birthplace, birth year, profession, mentor, parent) and organisations (founder,
+seat, founding year). Like chunked Wikipedia, each entity has several short passages titled with its
+name: one lead that states the facts questions ask about, and chunks that state facts about others
+(a person's children, death place, career; a city's twin town and fair; an organisation's branch).
 
-Distractors are built in so an untrained dense retriever is far from perfect but can learn: people
-share first names and surnames, cities come in families with a shared stem (Velmar / Velmin),
-and many passages mention an entity without stating the asked fact (career passages, mentors,
-organisation founders, people born in or working in a city).
+Distractors are built in so that an untrained dense retriever is far from perfect but can learn: the
+other chunks of the same entity reuse the question's words ("X had a child, Y, who was born in Z"),
+some leads paraphrase them away ("A native of Z, X ..."), people share first names and surnames (a
+child carries the parent's), cities come in families with a shared stem (Velmar / Velmin), and half the
+organisations are named after a city that is not their seat. Untrained all-MiniLM-L6-v2 on dev+test
+(seed 0, ``benchmarks/world_recall.py``): single-hop recall@1/3/10 = 0.34 / 0.67 / 1.00.
 
 Questions (``metadata["type"]``):
 
@@ -20,7 +22,9 @@ Questions (``metadata["type"]``):
 
 ``metadata`` also holds ``gold_passages`` (per hop, a list of passage ids), ``hops`` (the entity
 name per hop) and ``hop_queries`` (per hop, the search query one would issue: the question itself for
-the first hop of single/bridge questions, "<entity> <relation>" otherwise).
+the first hop of single/bridge questions, "<entity> <relation>" otherwise). Answers are short strings
+(a name, a lowercase currency word or a year) that occur in the last hop's gold passage (for
+comparisons: in one of the two gold passages).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ _VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ei")
 _INNER_CODAS = ("", "", "", "r", "l", "n")  # inside a word: keep syllables light
 _CODAS = ("", "n", "r", "l", "s", "m", "th", "nd", "rk", "lt", "x")  # end of a word
 _ENDINGS = ("ar", "in", "ora", "ek", "ista", "ovo", "unde", "ath", "elle", "ak")
+_NOW = 2024  # no event is dated later
 _PROFESSIONS = ("painter", "architect", "composer", "chemist", "sculptor", "poet", "astronomer",
                 "engineer", "botanist", "cartographer", "historian", "physician")
 _ORG_KINDS = {"Society": "learned society", "Guild": "craft guild", "Institute": "research institute",
@@ -103,6 +108,7 @@ class _Person:
     profession: str
     pronoun: str
     works_in: str
+    parent: str | None  # another person, with the same surname
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,8 @@ class _Q:
 
 def _entities(rng: random.Random, n_countries: int, n_cities: int, n_people: int, n_orgs: int):
     namer = _Namer(rng)
+    if n_cities < 3:
+        raise ValueError(f"n_cities must be >= 3, got {n_cities}")
     rivers = [namer.word() for _ in range(max(2, n_cities // 4))]
     city_names: list[str] = []
     while len(city_names) < n_cities:
@@ -158,23 +166,48 @@ def _entities(rng: random.Random, n_countries: int, n_cities: int, n_people: int
     # Small name pools, so that first names and surnames are shared by several people.
     firsts = [namer.word() for _ in range(max(2, n_people // 5))]
     lasts = [namer.word(rng.choice((1, 2))) for _ in range(max(2, n_people // 4))]
-    people: list[_Person] = []
     names: set[str] = set()
-    while len(people) < n_people:
-        first, last = rng.choice(firsts), rng.choice(lasts)
-        if f"{first} {last}" in names:
-            continue
-        names.add(f"{first} {last}")
+
+    def new_name(last: str | None) -> tuple[str, str]:
+        while True:
+            for _ in range(20):
+                first, surname = rng.choice(firsts), last or rng.choice(lasts)
+                if f"{first} {surname}" not in names:
+                    names.add(f"{first} {surname}")
+                    return first, surname
+            firsts.append(namer.word())  # pools too small for this many unique names: grow them
+
+    people: list[_Person] = []
+    for _ in range(n_people):
+        year = rng.randrange(1780, 1960)
+        parents = [p for p in people if 22 <= year - p.year <= 45]
+        parent = rng.choice(parents) if parents and rng.random() < 0.6 else None
+        first, last = new_name(parent.last if parent else None)
         born, works = rng.sample(cities, 2)
-        people.append(_Person(f"{first} {last}", first, last, born.name, rng.randrange(1780, 1990),
-                              rng.choice(_PROFESSIONS), rng.choice(("He", "She")), works.name))
-    founders = rng.sample(people, min(n_orgs, n_people))
+        people.append(_Person(f"{first} {last}", first, last, born.name, year, rng.choice(_PROFESSIONS),
+                              rng.choice(("He", "She")), works.name, parent.name if parent else None))
     orgs = []
-    for founder in founders:
+    for founder in rng.sample(people, n_orgs):
         kind = rng.choice(list(_ORG_KINDS))
-        orgs.append(_Org(f"{namer.word()} {kind}", kind, founder.name, founder.works_in,
-                         founder.year + rng.randrange(25, 50)))
-    return countries, cities, people, orgs
+        # Half the organisations are named after a city other than their seat (a name-sharing distractor).
+        namesake = rng.choice([c.name for c in cities if c.name != founder.works_in])
+        name = f"{namesake} {kind}"
+        if rng.random() < 0.5 or name in {o.name for o in orgs}:
+            name = f"{namer.word()} {kind}"
+        orgs.append(_Org(name, kind, founder.name, founder.works_in, founder.year + rng.randrange(25, 50)))
+    # The two children named in each person's family passages: real children first, then children who
+    # have no passage of their own (names reserved, so no two people share one).
+    family: dict[str, list[_Person]] = {p.name: [] for p in people}
+    for p in people:
+        if p.parent is not None and len(family[p.parent]) < 2:
+            family[p.parent].append(p)
+    for p in people:
+        while len(family[p.name]) < 2:
+            first, _ = new_name(p.last)
+            family[p.name].append(_Person(f"{first} {p.last}", first, p.last, rng.choice(cities).name,
+                                          p.year + rng.randrange(22, 40), "", rng.choice(("He", "She")), "",
+                                          p.name))
+    return countries, cities, people, orgs, family
 
 
 def _a(noun: str) -> str:
@@ -182,8 +215,13 @@ def _a(noun: str) -> str:
     return ("an " if noun[0] in "aeiou" else "a ") + noun
 
 
-def _passages(rng: random.Random, countries, cities, people, orgs) -> dict[str, Passage]:
-    """Passages keyed by ``"<kind>:<entity>"``; ids are assigned later, after shuffling."""
+def _passages(rng: random.Random, countries, cities, people, orgs, family) -> dict[str, Passage]:
+    """Passages keyed by ``"<kind>:<entity>"``; ids are assigned later, after shuffling.
+
+    ``country:``, ``city:``, ``bio:`` and ``org:`` passages state the facts that questions ask about.
+    The other chunks share the entity's title and the question's words but state facts about others
+    (a twin city, a child, a branch office): the hard negatives.
+    """
     out: dict[str, Passage] = {}
 
     def add(key: str, title: str, *variants: str) -> None:
@@ -193,31 +231,56 @@ def _passages(rng: random.Random, countries, cities, people, orgs) -> dict[str, 
         add(f"country:{c.name}", c.name,
             f"{c.name} is a country whose capital is {c.capital}. Its currency is the {c.currency}.",
             f"The {c.currency} is the currency of {c.name}, a country with its capital at {c.capital}.")
+        port = rng.choice([x.name for x in cities if x.country == c.name])
+        other = rng.choice([x for x in countries if x is not c] or [c])
+        add(f"country-more:{c.name}", c.name,
+            f"The largest port of {c.name} is {port}. {c.name} trades with {other.name}, which uses the "
+            f"{other.currency}.")
     for c in cities:
         add(f"city:{c.name}", c.name,
             f"{c.name} is a city in {c.country}, on the river {c.river}. It was founded in {c.founded}.",
             f"Founded in {c.founded}, {c.name} is a town of {c.country} lying on the river {c.river}.")
-    for p in people:
-        add(f"bio:{p.name}", p.name,
-            f"{p.name} is {_a(p.profession)} born in {p.born_in} in {p.year}.",
-            f"{p.name} (born {p.year} in {p.born_in}) is {_a(p.profession)}.",
-            f"Born in {p.born_in} in {p.year}, {p.name} became a well-known {p.profession}.")
+        twin = rng.choice([x for x in cities if x.country != c.country] or [x for x in cities if x is not c])
+        add(f"city-more:{c.name}", c.name,
+            f"{c.name} is twinned with {twin.name}, a city of {twin.country} on the river {twin.river}. "
+            f"Its cathedral was completed in {c.founded + rng.randrange(50, 300)}.")
+        add(f"city-fair:{c.name}", c.name,
+            f"Every spring {c.name} hosts a fair that draws traders from {rng.choice(countries).name}. "
+            f"The city's university was founded in {c.founded + rng.randrange(100, 500)}.")
     founded = {o.founder: o for o in orgs}
     for p in people:
-        org = founded.get(p.name)
-        if org is None and rng.random() < 0.5:
-            continue
-        mentor = rng.choice(people)
-        start = p.year + rng.randrange(20, 30)
-        work = f"{p.name} worked as {_a(p.profession)} in {p.works_in} from {start}"
-        work += f", where {p.pronoun.lower()} founded the {org.name}." if org else "."
-        mentored = "" if mentor is p else f" {p.pronoun} studied under {mentor.name}."
-        add(f"career:{p.name}", p.name, work + mentored)
+        # Some bios paraphrase "born" away, while family passages say it about someone else: an untrained
+        # retriever follows the words, a trained one must learn whose birth the passage states.
+        org, mentor = founded.get(p.name), rng.choice([x for x in people if x is not p])
+        bio = rng.choice((
+            f"{p.name} is {_a(p.profession)} born in {p.born_in} in {p.year}, a pupil of {mentor.name}.",
+            f"{p.name} ({p.year}, {p.born_in}) is {_a(p.profession)} who studied under {mentor.name}.",
+            f"A native of {p.born_in}, {p.name} ({p.year}) became a well-known {p.profession} after "
+            f"studying under {mentor.name}.",
+        ))
+        add(f"bio:{p.name}", p.name, bio + (f" {p.pronoun} is a child of {p.parent}." if p.parent else ""))
+        work = f"{p.name} worked as {_a(p.profession)} in {p.works_in} from {p.year + rng.randrange(20, 30)}"
+        add(f"career:{p.name}", p.name,
+            work + (f", where {p.pronoun.lower()} founded the {org.name}." if org else "."))
+        host, died = rng.choice([x for x in people if x is not p]), min(p.year + rng.randrange(45, 90), _NOW)
+        add(f"death:{p.name}", p.name,
+            f"{p.name} died in {host.born_in} in {died}, in the house where {host.name} was born.")
+        for i, child in enumerate(family[p.name]):
+            add(f"family{i}:{p.name}", p.name,
+                f"{p.name} had a child, {child.name}, who was born in {child.born_in} in {child.year}.")
     for o in orgs:
+        kind = _a(_ORG_KINDS[o.kind])
         add(f"org:{o.name}", o.name,
-            f"The {o.name} is {_a(_ORG_KINDS[o.kind])} based in {o.city}. It was founded in {o.founded} "
-            f"by {o.founder}.",
-            f"Founded by {o.founder} in {o.founded}, the {o.name} is {_a(_ORG_KINDS[o.kind])} in {o.city}.")
+            f"The {o.name} is {kind} based in {o.city}. It was founded in {o.founded} by {o.founder}.",
+            f"Founded by {o.founder} in {o.founded}, the {o.name} is {kind} in {o.city}.")
+        branch = rng.choice([c.name for c in cities if c.name != o.city])
+        head = rng.choice([p.name for p in people if p.name != o.founder])
+        opened, since = (min(o.founded + rng.randrange(lo, hi), _NOW) for lo, hi in ((10, 60), (5, 80)))
+        add(f"org-more:{o.name}", o.name,
+            f"In {opened} the {o.name} founded a second house in {branch}, led by {head}.")
+        add(f"org-archive:{o.name}", o.name,
+            f"Since {since} the {o.name} has published a yearbook; its archive is kept in "
+            f"{rng.choice(cities).name}.")
     return out
 
 
@@ -240,7 +303,6 @@ def _questions(rng: random.Random, countries, cities, people, orgs) -> dict[str,
         single += [
             _single(f"In which city was {p.name} born?", p.born_in, bio, p.name),
             _single(f"In which year was {p.name} born?", str(p.year), bio, p.name),
-            _single(f"What is the profession of {p.name}?", p.profession, bio, p.name),
         ]
         keys, hops = (bio, f"city:{c.name}"), (p.name, c.name)
         bridge += [
@@ -331,7 +393,7 @@ def build_world(
     ``n_single`` / ``n_bridge`` / ``n_comparison`` cap how many questions of each type are drawn (fewer
     if the entities do not yield that many). The drawn questions are shuffled; the first ``n_dev`` form
     dev, the next ``n_test`` test, the rest train. Question texts are unique, so splits never share one.
-    The defaults give ~770 passages and ~2,000 questions (1,700 train) in well under a second.
+    The defaults give ~1,840 passages and 2,000 questions (1,700 train) in well under a second.
     """
     if n_countries < 1 or n_cities < max(2, n_countries) or n_people < 2 or not 0 <= n_orgs <= n_people:
         raise ValueError(
@@ -347,7 +409,7 @@ def build_world(
     ids = {key: f"w{i:05d}" for i, key in enumerate(keys)}
     corpus = [Passage(ids[k], by_key[k].title, by_key[k].text) for k in keys]
 
-    pools = _questions(rng, *entities)
+    pools = _questions(rng, *entities[:4])
     drawn: list[_Q] = []
     for kind, cap in (("single", n_single), ("bridge", n_bridge), ("comparison", n_comparison)):
         drawn += rng.sample(pools[kind], min(cap, len(pools[kind])))

@@ -1,0 +1,194 @@
+"""Credit analysis of failed trajectories: was the gold evidence never retrieved, or retrieved and misused?
+
+Definitions (used by ``callbacks.credit_report.CreditReport``):
+
+- A trajectory **failed** when its extracted answer has exact match 0 against the gold answers (the
+  outcome the policy is rewarded for, independent of any format shaping of the reward).
+- **Evidence retrieved**, judged by one of two methods:
+
+  * ``gold_passages`` (when the example's ``metadata["gold_passages"]`` is a non-empty list per hop of
+    alternative gold passage ids): every hop has at least one of its gold passages among the passages
+    shown by the trajectory's searches (any search, any position);
+  * ``answer_string`` (otherwise): some gold answer, normalised as in SQuAD, occurs as a whole-token
+    span of some shown passage's normalised title + text.
+
+- A failed trajectory is a **retrieval miss** if the evidence was not retrieved, else a **reasoning miss**.
+- **recall@k** of one trajectory with gold passage ids: the share of its hops with a gold passage among the
+  shown passages (k per search = ``model.top_k``), over all its searches; a trajectory that never searched
+  has recall 0.
+
+Rates over a set of trajectories (see :meth:`CreditCounts.rates`):
+``retrieval_miss_rate`` = retrieval misses / failed, ``reasoning_miss_rate`` = reasoning misses / failed
+(the two sum to 1), ``failure_rate`` = failed / trajectories, ``recall@k`` = mean recall over trajectories
+with gold passage ids, ``gold_id_share`` = failed trajectories judged by gold ids / failed (which method).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import astuple, dataclass, fields
+from typing import Any
+
+import torch
+
+from bridge_pl.data.qa import Passage
+from bridge_pl.rewards import exact_match, normalize_answer
+from bridge_pl.rollout.batch import RolloutBatch
+
+GoldPassages = Sequence[Sequence[str]]  # per hop, the alternative gold passage ids
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """One search call of a trajectory: the query and the passages shown for it, in order."""
+
+    query: str
+    passages: list[Passage]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The credit analysis of one trajectory.
+
+    ``retrieved``: the gold evidence was shown by some search (judged by ``method``);
+    ``recall``: share of hops retrieved, ``None`` without gold passage ids.
+    """
+
+    failed: bool
+    retrieved: bool
+    method: str  # "gold_passages" | "answer_string"
+    recall: float | None
+
+    @property
+    def retrieval_miss(self) -> bool:
+        return self.failed and not self.retrieved
+
+    @property
+    def reasoning_miss(self) -> bool:
+        return self.failed and self.retrieved
+
+
+def check_gold_passages(value: Any, where: str) -> list[list[str]] | None:
+    """``metadata["gold_passages"]`` as a list of hops of ids, ``None`` when absent or empty.
+
+    Raises ``ValueError`` naming ``where`` (e.g. the example id) for anything but a list of lists of strings.
+    """
+    if value is None or (isinstance(value, list | tuple) and len(value) == 0):
+        return None
+    ok = isinstance(value, list | tuple) and all(
+        isinstance(hop, list | tuple) and all(isinstance(i, str) for i in hop) for hop in value
+    )
+    if not ok:
+        raise ValueError(
+            f"{where}: metadata['gold_passages'] must be a list (one entry per hop) of lists of passage id "
+            f"strings, got {value!r}"
+        )
+    hops = [list(hop) for hop in value if hop]
+    return hops or None
+
+
+def hop_recall(shown_ids: Iterable[str], gold_passages: GoldPassages) -> float:
+    """Share of hops (non-empty lists of alternative ids) with at least one id in ``shown_ids``."""
+    shown = set(shown_ids)
+    return sum(any(i in shown for i in hop) for hop in gold_passages) / len(gold_passages)
+
+
+def answer_in_texts(texts: Iterable[str], golds: Sequence[str]) -> bool:
+    """Whether some normalised gold answer is a whole-token span of some normalised text.
+
+    Golds that normalise to the empty string never match (as in :mod:`bridge_pl.rewards`).
+    """
+    needles = [f" {g} " for g in map(normalize_answer, golds) if g]
+    return any(needle in f" {normalize_answer(text)} " for text in texts for needle in needles)
+
+
+def classify(
+    answer: str | None,
+    golds: Sequence[str],
+    shown: Sequence[Passage],
+    gold_passages: GoldPassages | None = None,
+) -> Verdict:
+    """Classify one trajectory given its answer, the passages its searches showed, and its gold evidence.
+
+    ``gold_passages`` (per hop, alternative ids) selects the ``gold_passages`` method; ``None`` or empty
+    selects ``answer_string`` (a gold answer occurs in a shown passage's title or text).
+    """
+    failed = exact_match(answer, golds) == 0.0
+    if gold_passages:
+        recall = hop_recall((p.id for p in shown), gold_passages)
+        return Verdict(failed=failed, retrieved=recall == 1.0, method="gold_passages", recall=recall)
+    retrieved = answer_in_texts((f"{p.title} {p.text}" for p in shown), golds)
+    return Verdict(failed=failed, retrieved=retrieved, method="answer_string", recall=None)
+
+
+@dataclass
+class CreditCounts:
+    """Additive tallies of verdicts; sum them across batches and processes, then take :meth:`rates`."""
+
+    trajectories: float = 0.0
+    failed: float = 0.0
+    retrieval_misses: float = 0.0
+    reasoning_misses: float = 0.0
+    judged_by_gold_ids: float = 0.0  # failed trajectories judged with gold passage ids
+    recall_sum: float = 0.0
+    with_gold_ids: float = 0.0  # trajectories (failed or not) that have gold passage ids
+
+    @classmethod
+    def of(cls, verdicts: Iterable[Verdict]) -> CreditCounts:
+        counts = cls()
+        for v in verdicts:
+            counts.trajectories += 1
+            counts.failed += v.failed
+            counts.retrieval_misses += v.retrieval_miss
+            counts.reasoning_misses += v.reasoning_miss
+            counts.judged_by_gold_ids += v.failed and v.method == "gold_passages"
+            if v.recall is not None:
+                counts.recall_sum += v.recall
+                counts.with_gold_ids += 1
+        return counts
+
+    def __add__(self, other: CreditCounts) -> CreditCounts:
+        return CreditCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def to_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[7]`` float64 tensor of the tallies, in field order (for a sum all-reduce)."""
+        return torch.tensor(astuple(self), dtype=torch.float64, device=device)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> CreditCounts:
+        values = tensor.tolist()
+        if len(values) != len(fields(cls)):
+            raise ValueError(f"CreditCounts.from_tensor: expected {len(fields(cls))} values, got {len(values)}")
+        return cls(*values)
+
+    def rates(self) -> dict[str, float]:
+        """The rates of the module docstring; a rate whose denominator is 0 is left out (undefined)."""
+        out = {}
+        if self.trajectories:
+            out["failure_rate"] = self.failed / self.trajectories
+        if self.failed:
+            out["retrieval_miss_rate"] = self.retrieval_misses / self.failed
+            out["reasoning_miss_rate"] = self.reasoning_misses / self.failed
+            out["gold_id_share"] = self.judged_by_gold_ids / self.failed
+        if self.with_gold_ids:
+            out["recall@k"] = self.recall_sum / self.with_gold_ids
+        return out
+
+
+def trajectory_searches(batch: RolloutBatch, passage: Callable[[int], Passage]) -> list[list[SearchRecord]]:
+    """Per trajectory of ``batch``, its search calls in order, with the passages shown (``passage(row)``)."""
+    out: list[list[SearchRecord]] = [[] for _ in range(batch.batch_size)]
+    for s, b in enumerate(batch.search_traj.tolist()):
+        out[b].append(SearchRecord(batch.search_queries[s], [passage(r) for r in batch.shown_rows(s)]))
+    return out
+
+
+def batch_verdicts(batch: RolloutBatch, passage: Callable[[int], Passage]) -> list[Verdict]:
+    """:func:`classify` every trajectory of ``batch``; ``passage(row)`` looks up the retriever's passages."""
+    verdicts = []
+    for b, searches in enumerate(trajectory_searches(batch, passage)):
+        where = f"example {batch.example_ids[b]!r} of dataset {batch.dataset!r}"
+        gold_ids = check_gold_passages(batch.metadata[b].get("gold_passages"), where)
+        shown = [p for search in searches for p in search.passages]
+        verdicts.append(classify(batch.answers[b], batch.golds[b], shown, gold_ids))
+    return verdicts

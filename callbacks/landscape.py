@@ -1,0 +1,356 @@
+"""``LossLandscape``: periodic loss-landscape probes of the policy and the retriever (METHOD.md section 7).
+
+What is probed, on a probe fixed once (at the first probe) and reused at every later one:
+
+- ``policy``: the policy surrogate F (``RLProblem.policy_loss``: clipped GRPO/PPO loss + KL) w.r.t. the
+  policy's trainable parameters (LoRA adapters) on a fixed rollout batch, the training batch of the first
+  probe step (kept on CPU, LM-credit sequences dropped). Advantages and π_old are those of that batch.
+- ``retriever``: the retrieval loss G = mean_s KL(Q_s ‖ P_φ(·|s)) w.r.t. the query encoder φ on fixed
+  queries (the first ``probe_queries`` distinct questions of that batch), fixed candidates (top-K′ by the
+  retriever at probe-creation time, K′ = ``model.candidates``) and a fixed teacher Q = softmax(ℓ/β):
+  ``teacher="random"``: ℓ ~ N(0, 1) from the seeded generator; ``teacher="answer"``: ℓ = 1 where a gold
+  answer occurs in the passage (SQuAD-normalised), else 0. Built here rather than taken from the batch's
+  credit searches, so G has data even when the policy issued no search.
+
+For each target: a 1-D slice L(θ + αδ) with ``slice_points`` α in [−span, span], a ``grid_points`` ×
+``grid_points`` grid L(θ + αδ + βη), and the sharpness (top Hessian eigenvalue, power iteration with
+finite-difference HVPs). δ, η and the power-iteration start are redrawn from ``seed`` at every probe (same
+draws, rescaled to the current weights), so probes are comparable over training. In ``bridge`` mode the
+PL constant of G along the ψ inner loop is estimated: ``pl_steps`` plain gradient-descent steps (lr
+``pl_lr``) on G(ψ) from the current ψ, recording (G, ‖∇G‖²) — plain GD rather than ψ's AdamW
+because the PL inequality is a statement about gradient descent — then ψ is restored.
+
+When: at the start of every training step whose ``global_step`` is a multiple of ``every_n_steps`` (so
+step 0 shows the initial landscape; the probe sees the weights that step starts from) and, with
+``at_fit_end``, once more at the end of fit on the final weights. Probing leaves every parameter
+bit-identical, the modules' train/eval flags as they were, and the global RNGs untouched (losses are
+evaluated in eval mode, random draws use a private generator), so a run with the callback trains exactly
+as one without it.
+
+Outputs (rank 0): scalars ``landscape/<target>/{loss,sharpness,slice_rise,grid_rise}`` and
+``landscape/retriever/pl_mu`` to every logger; one image per target ``landscape/<target>`` (1-D curve +
+2-D contour, matplotlib Agg canvas) to TensorBoard loggers; raw arrays in ``<log_dir>/landscape/step<k>.npz``.
+``self.last`` holds the latest scalars.
+
+Multi-process: every rank computes the probe over the same data (rank 0's probe batch and queries are
+broadcast when the probe is created) and the same parameters, so all ranks get the same numbers as one
+process would; only rank 0 writes. Computing on every rank rather than rank 0 alone is what sharded
+parameters need (every rank takes part in each forward). DDP: parameters are full on every rank (tested
+over gloo). FSDP (``FSDPStrategy``): the probe runs inside ``FullyShardedDataParallel.summon_full_params``
+(no writeback) on every rank so the probed tensors are the full parameters. That path cannot be run
+without GPUs and is untested; in particular, whether FSDP accepts the probe's forward and backward passes
+inside that context is unverified. FSDP2 (``ModelParallelStrategy``) is not supported yet: the callback
+warns and does nothing.
+
+The probe data lives in the callback only (not in checkpoints): a resumed run builds a new probe at its
+first probe step.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from bridge_pl import landscape
+from bridge_pl.problem import RLProblem
+from bridge_pl.retrieval.credit import lm_supervised_kl
+from bridge_pl.rewards import normalize_answer
+from bridge_pl.rollout.batch import RolloutBatch
+
+TARGETS = ("policy", "retriever")
+TEACHERS = ("random", "answer")
+
+
+@dataclass
+class Probe:
+    """Fixed probe data: a rollout batch (CPU) for F; queries, candidates ``[Q, K′]``, ℓ ``[Q, K′]`` for G."""
+
+    rollout: RolloutBatch
+    queries: list[str]
+    rows: torch.Tensor
+    teacher_scores: torch.Tensor
+
+
+class LossLandscape(pl.Callback):
+    """Filter-normalised slices, 2-D grids, sharpness and a PL estimate, logged to TensorBoard and .npz.
+
+    Args:
+        every_n_steps: probe when ``global_step % every_n_steps == 0`` (at the start of that step).
+        targets: any of ``policy`` (LoRA/θ on F) and ``retriever`` (φ on G).
+        slice_points: α values of the 1-D slice (odd includes α = 0).
+        grid_points: points per axis of the 2-D grid.
+        span: coordinates range over [−span, span] (units of filter-normalised directions).
+        power_iters: power-iteration steps for the sharpness; fd_eps: finite-difference step.
+        pl_steps, pl_lr: gradient-descent steps and step size of the ψ trace (0 steps: no PL estimate).
+        probe_queries: fixed queries of the G probe.
+        teacher: ``random`` | ``answer``, the fixed teacher scores ℓ of the G probe (module docstring).
+        zero_row_norm: direction norm for all-zero weight rows (LoRA B at init); 0 leaves them unprobed.
+        seed: seeds the directions, the power-iteration start and the random teacher.
+        at_fit_end: probe once more on the final weights.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        targets: list[str] | tuple[str, ...] = TARGETS,
+        slice_points: int = 11,
+        grid_points: int = 5,
+        span: float = 1.0,
+        power_iters: int = 10,
+        fd_eps: float = 1e-3,
+        pl_steps: int = 10,
+        pl_lr: float = 0.1,
+        probe_queries: int = 8,
+        teacher: str = "random",
+        zero_row_norm: float = 0.0,
+        seed: int = 0,
+        at_fit_end: bool = True,
+    ) -> None:
+        for name, value, low in [("every_n_steps", every_n_steps, 1), ("slice_points", slice_points, 2),
+                                 ("grid_points", grid_points, 2), ("power_iters", power_iters, 1),
+                                 ("pl_steps", pl_steps, 0), ("probe_queries", probe_queries, 1)]:
+            if value < low:
+                raise ValueError(f"LossLandscape option '{name}' must be >= {low}, got {value}")
+        for name, value in [("span", span), ("fd_eps", fd_eps), ("pl_lr", pl_lr)]:
+            if value <= 0:
+                raise ValueError(f"LossLandscape option '{name}' must be > 0, got {value}")
+        if zero_row_norm < 0:
+            raise ValueError(f"LossLandscape option 'zero_row_norm' must be >= 0, got {zero_row_norm}")
+        unknown = [t for t in targets if t not in TARGETS]
+        if unknown or not targets:
+            raise ValueError(f"LossLandscape option 'targets' must be a non-empty subset of {list(TARGETS)}, "
+                             f"got {list(targets)}")
+        if teacher not in TEACHERS:
+            raise ValueError(
+                f"LossLandscape option 'teacher' must be one of {list(TEACHERS)}, got {teacher!r}"
+            )
+        self.every_n_steps, self.targets = every_n_steps, tuple(targets)
+        self.slice_points, self.grid_points, self.span = slice_points, grid_points, span
+        self.power_iters, self.fd_eps, self.pl_steps, self.pl_lr = power_iters, fd_eps, pl_steps, pl_lr
+        self.probe_queries, self.teacher, self.zero_row_norm = probe_queries, teacher, zero_row_norm
+        self.seed, self.at_fit_end = seed, at_fit_end
+        self.probe: Probe | None = None
+        self.last: dict[str, float] = {}
+        self.probed_steps: list[int] = []
+
+    # ---- hooks --------------------------------------------------------------------------------
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: RolloutBatch, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps or step in self.probed_steps or not self._supported(trainer):
+            return
+        if self.probe is None:
+            self.probe = trainer.strategy.broadcast(self._build_probe(pl_module, batch), src=0)
+        self.run(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_fit_end and self.probe is not None and trainer.global_step not in self.probed_steps:
+            self.run(trainer, pl_module)
+
+    def _supported(self, trainer: pl.Trainer) -> bool:
+        if type(trainer.strategy).__name__ == "ModelParallelStrategy":
+            rank_zero_warn("LossLandscape does not support ModelParallelStrategy (FSDP2) yet; no probes run.")
+            return False
+        return True
+
+    # ---- the probe data -----------------------------------------------------------------------
+    def _build_probe(self, pl_module: pl.LightningModule, batch: RolloutBatch) -> Probe:
+        """Fixed probe data from this rank's current training batch (rank 0's is then broadcast)."""
+        rollout = self._build_rollout(batch)
+        questions = list(dict.fromkeys(batch.questions))[: self.probe_queries]
+        golds = {q: g for q, g in zip(batch.questions, batch.golds)}
+        retriever = pl_module.retriever
+        _, rows = retriever.search(questions, pl_module.hparams.candidates)
+        if self.teacher == "random":
+            generator = torch.Generator().manual_seed(self.seed + 2)
+            teacher = torch.randn(rows.shape, generator=generator)
+        else:
+            teacher = torch.tensor(
+                [[float(r >= 0 and _contains_answer(retriever.passage(r).contents, golds[q])) for r in row]
+                 for q, row in zip(questions, rows.tolist())]
+            )
+        return Probe(rollout=rollout, queries=questions, rows=rows, teacher_scores=teacher)
+
+    @staticmethod
+    def _build_rollout(batch: RolloutBatch) -> RolloutBatch:
+        """The batch on CPU, without LM-credit sequences (F needs none; RLProblem would score them)."""
+        no_credit = torch.zeros(0, dtype=torch.long)
+        return replace(move_data_to_device(batch, "cpu"), credit_searches=no_credit, credit_sequences=[])
+
+    # ---- probing ------------------------------------------------------------------------------
+    def run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, dict[str, np.ndarray]]:
+        """Probe every target now; log and save on rank 0. Returns ``{target: arrays}``."""
+        assert self.probe is not None
+        step = trainer.global_step
+        results: dict[str, dict[str, np.ndarray]] = {}
+        with _full_parameters(trainer), _eval_mode(pl_module):
+            for target in self.targets:
+                spec = self._target(pl_module, target)
+                if spec is not None:  # a seed per target name: draws do not depend on which targets are on
+                    results[target] = self._probe_target(*spec, seed=self.seed + 1000 * TARGETS.index(target))
+            psi = getattr(pl_module, "psi", None)
+            if "retriever" in results and psi is not None and self.pl_steps > 0:
+                params = [p for p in psi.parameters() if p.requires_grad]
+                g_psi = self._g_loss(pl_module, psi)
+                losses, grad_sq = landscape.descent_trace(g_psi, params, self.pl_lr, self.pl_steps)
+                results["retriever"].update(
+                    pl_losses=np.array(losses), pl_grad_sq=np.array(grad_sq),
+                    pl_mu=np.array(landscape.pl_estimate(losses, grad_sq)),
+                )
+        self.probed_steps.append(step)
+        self.last = _scalars(results)
+        # every rank asks: trainer.log_dir is a collective (a broadcast from rank 0)
+        out = Path(trainer.log_dir or trainer.default_root_dir) / "landscape"
+        if trainer.is_global_zero:
+            self._write(trainer, out, step, results)
+        return results
+
+    def _target(
+        self, pl_module: pl.LightningModule, target: str
+    ) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]] | None:
+        """(loss closure, parameters) of ``target``, or None (said once) when it has nothing to probe."""
+        if target == "policy":
+            rollout = move_data_to_device(self.probe.rollout, pl_module.device)
+            problem = RLProblem(pl_module.policy, pl_module.retriever, pl_module.psi, pl_module.value_head,
+                                rollout, pl_module.rl_config)
+            return problem.policy_loss, pl_module.policy.trainable_parameters()
+        encoder = pl_module.retriever.query_encoder
+        params = [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
+        if not params:
+            if not self.probed_steps:
+                rank_zero_info("LossLandscape: the retriever has no trainable query encoder; not probing it.")
+            return None
+        return self._g_loss(pl_module, None), params
+
+    def _g_loss(
+        self, pl_module: pl.LightningModule, encoder: torch.nn.Module | None
+    ) -> Callable[[], torch.Tensor]:
+        """G(encoder) = mean_s KL(Q_s ‖ P(·|s)) on the fixed probe (``encoder=None``: φ)."""
+        probe, cfg = self.probe, pl_module.rl_config
+        valid = probe.rows >= 0
+
+        def loss() -> torch.Tensor:
+            scores = pl_module.retriever.score(probe.queries, probe.rows.clamp(min=0), query_encoder=encoder)
+            teacher, mask = probe.teacher_scores.to(scores.device), valid.to(scores.device)
+            kl = lm_supervised_kl(scores.float(), teacher, cfg.retrieval_temperature, cfg.teacher_temperature,
+                                  valid=mask)
+            return kl.mean()
+
+        return loss
+
+    def _probe_target(
+        self, loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], seed: int
+    ) -> dict[str, np.ndarray]:
+        generator = torch.Generator().manual_seed(seed)
+        delta = landscape.filter_normalized_direction(params, generator, self.zero_row_norm)
+        eta = landscape.filter_normalized_direction(params, generator, self.zero_row_norm)
+        alphas = torch.linspace(-self.span, self.span, self.slice_points, dtype=torch.float64)
+        grid = torch.linspace(-self.span, self.span, self.grid_points, dtype=torch.float64)
+        with torch.no_grad():
+            center = float(loss_fn())
+        sharpness, history = landscape.top_hessian_eigenvalue(
+            loss_fn, params, generator, iters=self.power_iters, eps=self.fd_eps
+        )
+        return {
+            "loss": np.array(center),
+            "alphas": alphas.numpy(),
+            "slice": landscape.slice_1d(loss_fn, params, delta, alphas).numpy(),
+            "grid_coords": grid.numpy(),
+            "grid": landscape.grid_2d(loss_fn, params, (delta, eta), grid, grid).numpy(),
+            "sharpness": np.array(sharpness),
+            "power_history": np.array(history),
+        }
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def _write(
+        self, trainer: pl.Trainer, out: Path, step: int, results: dict[str, dict[str, np.ndarray]]
+    ) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(self.last, step=step)
+            if isinstance(logger, TensorBoardLogger):
+                for target, arrays in results.items():
+                    logger.experiment.add_image(f"landscape/{target}", _render(target, arrays, step), step,
+                                                dataformats="HWC")
+        out.mkdir(parents=True, exist_ok=True)
+        flat = {f"{target}_{name}": v for target, arrays in results.items() for name, v in arrays.items()}
+        fd, tmp = tempfile.mkstemp(dir=out, suffix=".npz.tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, step=np.array(step), **flat)
+        os.replace(tmp, out / f"step{step}.npz")
+
+
+def _contains_answer(text: str, golds: list[str]) -> bool:
+    haystack = normalize_answer(text)
+    needles = [normalize_answer(g) for g in golds]
+    return any(n and n in haystack for n in needles)
+
+
+def _scalars(results: dict[str, dict[str, np.ndarray]]) -> dict[str, float]:
+    """``landscape/<target>/...``: centre loss, sharpness, highest rise above the centre on slice and grid."""
+    out = {}
+    for target, a in results.items():
+        out[f"landscape/{target}/loss"] = float(a["loss"])
+        out[f"landscape/{target}/sharpness"] = float(a["sharpness"])
+        out[f"landscape/{target}/slice_rise"] = float(a["slice"].max() - a["loss"])
+        out[f"landscape/{target}/grid_rise"] = float(a["grid"].max() - a["loss"])
+        if "pl_mu" in a:
+            out[f"landscape/{target}/pl_mu"] = float(a["pl_mu"])
+    return out
+
+
+def _render(target: str, a: dict[str, np.ndarray], step: int) -> np.ndarray:
+    """``[H, W, 3]`` uint8: the 1-D slice, the 2-D contour and (when present) the ψ descent trace."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = 3 if "pl_losses" in a else 2
+    fig = Figure(figsize=(4 * panels, 3.4), dpi=80)
+    canvas = FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, panels, 1)
+    ax.plot(a["alphas"], a["slice"], marker="o")
+    ax.set(xlabel="α", ylabel="loss", title=f"{target}: L(θ+αδ), step {step}")
+    ax = fig.add_subplot(1, panels, 2)
+    coords = a["grid_coords"]
+    contour = ax.contourf(coords, coords, a["grid"].T, levels=15)  # rows of grid are α (x), columns β (y)
+    fig.colorbar(contour, ax=ax)
+    ax.set(xlabel="α", ylabel="β", title=f"L(θ+αδ+βη), λmax≈{float(a['sharpness']):.3g}")
+    if panels == 3:
+        ax = fig.add_subplot(1, panels, 3)
+        ax.plot(a["pl_losses"], marker=".")
+        ax.set(xlabel="GD step on ψ", ylabel="G", title=f"ψ trace, μ̂≈{float(a['pl_mu']):.3g}")
+    fig.tight_layout()
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+@contextmanager
+def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Eval mode for the whole module tree, then every submodule's own flag back."""
+    flags = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _full_parameters(trainer: pl.Trainer):
+    """FSDP: gather full parameters on every rank for the probe (untested: needs GPUs); else nothing to do."""
+    if type(trainer.strategy).__name__ != "FSDPStrategy":
+        return nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False)

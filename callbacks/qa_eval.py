@@ -1,0 +1,163 @@
+"""``QAEval``: per-dataset predictions files and a TensorBoard panel of full trajectories after each eval.
+
+The numbers (``val/<dataset>/em``, ``f1``, ``sub_em``, ``searches``, ``turns``, ``valid_action_rate`` and
+their averages ``val/<name>``) are logged by ``BridgeModule`` itself; this callback adds what a researcher
+reads next: ``<run dir>/predictions/<stage>_<dataset>_step<step>.jsonl`` (one line per question:
+``id, question, golden_answers, prediction, em, f1, reward, response, searches``, where each search is
+``{query, titles, ids}`` of the passages shown) and ``add_text`` panels ``<stage>/<dataset>/trajectories``
+on every TensorBoard logger. The run dir is ``trainer.log_dir`` (the logger's version folder, or
+``default_root_dir`` without a logger). The step is the model's training step (``BridgeModule.policy_version``,
+saved in checkpoints), so ``bridge-pl validate --ckpt_path`` names its files like the fit's validation
+did at that step (``trainer.global_step`` is 0 outside ``fit``).
+
+With several processes every rank's predictions are gathered to rank 0, put back in dataset order
+(Lightning's ``DistributedSampler`` deals example i to rank i mod world), de-duplicated by example id
+(the sampler repeats examples to even out ranks), and written once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch.distributed as dist
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from bridge_pl.credit_analysis import trajectory_searches
+from bridge_pl.data.qa import Passage
+from bridge_pl.rewards import exact_match, f1_score
+from bridge_pl.rollout.batch import RolloutBatch
+
+
+def eval_dataset_names(trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> list[str]:
+    """The named ``stage`` ('val' | 'test') sets, in config order; the same list on every rank."""
+    sources = getattr(trainer.datamodule, f"{stage}_sources", None)
+    if sources is not None:
+        return list(sources)
+    prefix = f"{stage}/"
+    return sorted(key[len(prefix):] for key in pl_module.last_eval_batches if key.startswith(prefix))
+
+
+def prediction_records(batch: RolloutBatch, passage: Callable[[int], Passage]) -> list[dict[str, Any]]:
+    """One predictions-file record per trajectory of ``batch``; ``passage(row)`` looks up shown passages."""
+    records = []
+    for b, searches in enumerate(trajectory_searches(batch, passage)):
+        answer, golds = batch.answers[b], batch.golds[b]
+        records.append({
+            "id": batch.example_ids[b],
+            "question": batch.questions[b],
+            "golden_answers": list(golds),
+            "prediction": answer,
+            "em": exact_match(answer, golds),
+            "f1": f1_score(answer, golds),
+            "reward": float(batch.rewards[b]),
+            "response": batch.responses[b],
+            "searches": [
+                {"query": s.query, "titles": [p.title for p in s.passages], "ids": [p.id for p in s.passages]}
+                for s in searches
+            ],
+        })
+    return records
+
+
+def gather_to_rank_zero(local: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """All ranks' records on rank 0, in dataset order and de-duplicated by id; ``None`` on other ranks.
+
+    Rank r's i-th record is taken to be example ``i * world + r`` (Lightning's ``DistributedSampler``).
+    A collective: every rank must call it.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    world = dist.get_world_size()
+    gathered: list[list[dict[str, Any]]] | None = [[] for _ in range(world)] if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    return merge_rank_records(gathered) if gathered is not None else None
+
+
+def merge_rank_records(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Interleave per-rank records (rank r's i-th is example ``i * world + r``); keep each id's first record."""
+    interleaved = [part[i] for i in range(max(map(len, parts), default=0)) for part in parts if i < len(part)]
+    seen: set[str] = set()
+    records = []
+    for record in interleaved:
+        if record["id"] not in seen:
+            seen.add(record["id"])
+            records.append(record)
+    return records
+
+
+def trajectory_markdown(record: dict[str, Any]) -> str:
+    """A TensorBoard (markdown) rendering of one predictions record, with the full response text."""
+    lines = [
+        f"**Question** ({record['id']}): {record['question']}  ",
+        f"**Gold:** {' | '.join(record['golden_answers'])}  ",
+        f"**Prediction:** {record['prediction']}  (EM {record['em']:.0f}, F1 {record['f1']:.2f}, "
+        f"reward {record['reward']:.2f})",
+        "",
+    ]
+    for i, search in enumerate(record["searches"], 1):
+        shown = "; ".join(f"{t} [{pid}]" for t, pid in zip(search["titles"], search["ids"]))
+        lines.append(f"{i}. search `{search['query']}` → {shown}")
+    lines += ["", "Response:", ""]
+    lines += ["    " + line for line in record["response"].splitlines()]  # indented: a verbatim block
+    return "\n".join(lines)
+
+
+def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+class QAEval(L.Callback):
+    """Writes per-dataset predictions and shows a few full trajectories in TensorBoard after each eval.
+
+    Args:
+        num_trajectories: trajectories per dataset in the TensorBoard text panel (the first ones of the
+            dataset; 0 turns the panel off).
+        write_predictions: write the predictions jsonl files.
+    """
+
+    def __init__(self, num_trajectories: int = 3, write_predictions: bool = True) -> None:
+        if num_trajectories < 0:
+            raise ValueError(f"QAEval: num_trajectories must be >= 0, got {num_trajectories}")
+        self.num_trajectories = num_trajectories
+        self.write_predictions = write_predictions
+        self.written: list[Path] = []  # predictions files written by this process (rank 0)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.report(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.report(trainer, pl_module, "test")
+
+    def report(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Gather, write and display the ``stage`` predictions of every named dataset (a collective)."""
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir broadcasts: call on all ranks
+        step = int(getattr(pl_module, "policy_version", trainer.global_step))
+        for name in eval_dataset_names(trainer, pl_module, stage):
+            local = [
+                record
+                for batch in pl_module.last_eval_batches.get(f"{stage}/{name}", [])
+                for record in prediction_records(batch, pl_module.retriever.passage)
+            ]
+            records = gather_to_rank_zero(local)
+            if not records:
+                continue
+            if self.write_predictions:
+                path = run_dir / "predictions" / f"{stage}_{name}_step{step}.jsonl"
+                _write_jsonl(path, records)
+                self.written.append(path)
+            if self.num_trajectories:
+                text = "\n\n---\n\n".join(map(trajectory_markdown, records[: self.num_trajectories]))
+                for logger in trainer.loggers:
+                    if isinstance(logger, TensorBoardLogger):
+                        logger.experiment.add_text(f"{stage}/{name}/trajectories", text, step)

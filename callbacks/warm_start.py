@@ -1,0 +1,74 @@
+"""``WarmStart``: a short supervised phase on search demonstrations before RL (see bridge_pl.warmstart)."""
+
+from __future__ import annotations
+
+import random
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+from tqdm.auto import tqdm
+
+from bridge_pl.rollout.env import SearchEnv
+from bridge_pl.warmstart import demonstration_segments, sft_loss, tokenize_demonstration
+
+
+class WarmStart(L.Callback):
+    """Supervised steps on demonstrations built from the training set, run once at the start of ``fit``.
+
+    Skipped when the run resumes from a checkpoint (the warm-started weights are in it).
+
+    Args:
+        steps: optimizer steps. batch_size: demonstrations per step. lr: AdamW learning rate.
+        noise: probability that a demonstration's hop query is replaced by the raw question.
+        source: QA source of the demonstrations (default: the datamodule's training set).
+        seed: seeds which examples are used and the noise.
+    """
+
+    def __init__(
+        self, steps: int = 50, batch_size: int = 8, lr: float = 1e-3, noise: float = 0.3,
+        source: str | None = None, seed: int = 0, grad_clip: float = 1.0,
+    ) -> None:
+        if not 0 <= noise <= 1:
+            raise ValueError(f"WarmStart.noise must be in [0, 1], got {noise}")
+        self.steps, self.batch_size, self.lr, self.noise = steps, batch_size, lr, noise
+        self.source, self.seed, self.grad_clip = source, seed, grad_clip
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
+        if trainer.ckpt_path is not None or trainer.global_step > 0:
+            rank_zero_info("WarmStart: resuming from a checkpoint, warm start skipped")
+            return
+        data = trainer.datamodule
+        policy = pl_module.policy
+        tokenizer = policy.tokenizer
+        env = SearchEnv(data.env_config, tokenizer)
+        examples = data.load(self.source or data.train_source)
+        rng = random.Random(self.seed + 104729 * trainer.global_rank)
+        params = policy.trainable_parameters()
+        optimizer = torch.optim.AdamW(params, lr=self.lr)
+        was_training = policy.training
+        policy.train()
+        bar = tqdm(range(self.steps), desc="warm start", disable=not trainer.is_global_zero)
+        for step in bar:
+            demos = []
+            for example in rng.sample(examples, self.batch_size):
+                segments = demonstration_segments(
+                    example, env, lambda qs: pl_module.retrieve(qs, stochastic=False), rng, self.noise
+                )
+                demos.append(tokenize_demonstration(data.prompt_ids(tokenizer, example.question), segments, tokenizer))
+            loss = sft_loss(policy, demos)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if dist.is_available() and dist.is_initialized():  # keep the ranks' weights identical
+                for p in params:
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad /= dist.get_world_size()
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+            optimizer.step()
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if trainer.logger is not None:
+                trainer.logger.log_metrics({"warmstart/loss": loss.item()}, step=step)
+        policy.train(was_training)
+        rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss.item():.3f})")

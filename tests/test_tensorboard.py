@@ -1,0 +1,66 @@
+"""What ``tensorboard --logdir`` shows after a tiny ``bridge-pl fit``: read back from the event files."""
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+from helpers import TINY
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from bridge_pl.cli import BridgeCLI
+from callbacks.progress import BridgeProgressBar
+
+
+def event_tags(log_dir: Path) -> tuple[EventAccumulator, dict[str, list[str]]]:
+    """The loaded event files of ``log_dir`` and their tags by kind ("scalars", "tensors" (text), "images", ...)."""
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    events.Reload()
+    return events, events.Tags()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[BridgeCLI, Path, str]:
+    """``bridge-pl fit`` on the tiny config with the default TensorBoard logger and the inspection callbacks."""
+    root = tmp_path_factory.mktemp("tb")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli = BridgeCLI(args=[
+            "fit", "--config", TINY, f"--trainer.default_root_dir={root}", "--trainer.logger=true",
+            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=true",
+            "--trainer.callbacks+=callbacks.qa_eval.QAEval",
+            "--trainer.callbacks+=callbacks.credit_report.CreditReport",
+            "--trainer.callbacks+=callbacks.progress.BridgeProgressBar",
+        ])
+    return cli, Path(cli.trainer.logger.log_dir), out.getvalue()
+
+
+def test_fit_says_where_the_logs_are(tiny_run):
+    cli, log_dir, printed = tiny_run
+    assert f"TensorBoard logs in {log_dir}" in printed and log_dir.is_relative_to(cli.trainer.default_root_dir)
+
+
+def test_event_files_hold_eval_credit_and_trajectories(tiny_run):
+    _, log_dir, _ = tiny_run
+    events, tags = event_tags(log_dir)
+    scalars = set(tags["scalars"])
+    assert {"val/world_dev/em", "val/world_dev/f1", "val/world_dev/sub_em", "val/em", "val/f1"} <= scalars
+    credit = {"retrieval_miss_rate", "reasoning_miss_rate", "failure_rate", "recall@k", "gold_id_share"}
+    assert {f"credit/{n}" for n in credit} <= scalars and {f"val/world_dev/credit/{n}" for n in credit} <= scalars
+    assert [e.step for e in events.Scalars("credit/failure_rate")] == [0, 1]  # every training step
+    assert len(events.Scalars("val/world_dev/em")) == 1  # one validation, after step 2
+    text_tag = "val/world_dev/trajectories/text_summary"
+    assert text_tag in tags["tensors"]
+    text = events.Tensors(text_tag)[0].tensor_proto.string_val[0].decode()
+    assert text.count("**Question**") == 3 and "**Gold:**" in text and "Response:" in text
+    assert (log_dir / "predictions" / "val_world_dev_step2.jsonl").is_file()
+
+
+def test_progress_bar_shows_reward_and_val_em(tiny_run):
+    cli, _, _ = tiny_run
+    bars = [c for c in cli.trainer.callbacks if isinstance(c, BridgeProgressBar)]
+    assert len(bars) == 1 and cli.trainer.progress_bar_callback is bars[0]
+    assert set(bars[0].get_metrics(cli.trainer, cli.model)) == {"reward", "val/em"}
+    assert BridgeProgressBar(metrics=["credit/failure_rate"]).get_metrics(cli.trainer, cli.model) == {
+        "credit/failure_rate": float(cli.trainer.callback_metrics["credit/failure_rate"])
+    }

@@ -8,12 +8,14 @@ problem of METHOD.md section 8 in the tests. The module never branches on the mo
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class BilevelProblem(Protocol):
@@ -31,6 +33,9 @@ class BilevelProblem(Protocol):
     def policy_loss(self) -> torch.Tensor:
         """F as a function of θ (clipped surrogate + penalties)."""
 
+    def policy_loss_parts(self) -> Iterator[torch.Tensor]:
+        """:meth:`policy_loss` as micro-batch terms that sum to it (each backpropagated, then freed)."""
+
     def retriever_upper_loss(self) -> torch.Tensor:
         """F as a function of φ (policy-gradient credit for the retrieved lists)."""
 
@@ -39,6 +44,9 @@ class BilevelProblem(Protocol):
 
     def coupling_loss(self, lam: float) -> torch.Tensor:
         """A scalar whose θ-gradient is λ (∇θ G(θ, φ) − ∇θ G(θ, ψ)), using the same samples for both."""
+
+    def coupling_loss_parts(self, lam: float) -> Iterator[torch.Tensor]:
+        """:meth:`coupling_loss` as micro-batch terms that sum to it."""
 
 
 @dataclass
@@ -63,9 +71,20 @@ class ParamUpdate:
 
     def step(self, loss: torch.Tensor, lr_scale: float = 1.0) -> float:
         """Backward ``loss``, clip, step with learning rates scaled by ``lr_scale``; returns the grad norm."""
+        return self.step_parts([loss], lr_scale)[1]
+
+    def step_parts(self, parts: Iterable[torch.Tensor], lr_scale: float = 1.0) -> tuple[float, float]:
+        """Backward each term of a loss in turn (gradient accumulation), then one step.
+
+        Returns (the summed loss, the grad norm before clipping).
+        """
         self.optimizer.zero_grad(set_to_none=True)
-        self.backward(loss)
-        return self.apply_grads(lr_scale)
+        total = 0.0
+        for part in parts:
+            if part.requires_grad:  # a term with no data (e.g. no searches this batch) has no graph
+                self.backward(part)
+            total += float(part.detach())
+        return total, self.apply_grads(lr_scale)
 
     def apply_grads(self, lr_scale: float = 1.0) -> float:
         """Clip and step on gradients already in ``.grad``; returns the grad norm before clipping."""
@@ -115,13 +134,13 @@ class Solver(ABC):
         """Run one iteration; returns scalars to log."""
 
     def _policy_steps(self, problem: BilevelProblem, updates: Updates, extra=None) -> dict[str, float]:
+        """``policy_epochs`` steps on F (+ ``extra()``: more loss terms, e.g. the coupling parts)."""
         logs: dict[str, float] = {}
         for _ in range(self.policy_epochs):
-            loss = problem.policy_loss()
+            parts = problem.policy_loss_parts()
             if extra is not None:
-                loss = loss + extra()
-            logs["loss/policy"] = float(loss.detach())
-            logs["grad_norm/policy"] = updates.policy.step(loss)
+                parts = itertools.chain(parts, extra())
+            logs["loss/policy"], logs["grad_norm/policy"] = updates.policy.step_parts(parts)
         return logs
 
     def _phi_steps_on_lower(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
@@ -237,7 +256,7 @@ class BridgeSolver(Solver):
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
         logs = self.inner_steps(problem, updates)
         lam = self.lam.value
-        logs.update(self._policy_steps(problem, updates, extra=lambda: problem.coupling_loss(lam)))
+        logs.update(self._policy_steps(problem, updates, extra=lambda: problem.coupling_loss_parts(lam)))
         logs["lambda"] = lam
         self.lam.advance()
         return logs
@@ -276,20 +295,30 @@ class ImplicitSolver(Solver):
         grads = torch.autograd.grad(problem.lower_loss("phi"), phi, create_graph=True)
         term = [v.detach().clone() for v in vector]
         total = [t.clone() for t in term]
+        curved = any(g.requires_grad for g in grads)  # no lower-level data in the batch: H = 0
         for _ in range(self.neumann_steps):
-            hvp = torch.autograd.grad(grads, phi, grad_outputs=term, retain_graph=True)
+            hvp = (
+                torch.autograd.grad(grads, phi, grad_outputs=term, retain_graph=True)
+                if curved
+                else [torch.zeros_like(t) for t in term]
+            )
             term = [t - self.neumann_lr * h for t, h in zip(term, hvp)]
             total = [s + t for s, t in zip(total, term)]
         return [self.neumann_lr * s for s in total]
 
     def correction_loss(self, problem: BilevelProblem) -> torch.Tensor:
         """A scalar whose θ-gradient is −∇²θφG · [∇²φφG]⁻¹ ∇φF."""
+        # Fused attention kernels have no double backward; second-order terms need the math kernel.
+        with sdpa_kernel(SDPBackend.MATH):
+            return self._correction_loss(problem)
+
+    def _correction_loss(self, problem: BilevelProblem) -> torch.Tensor:
         phi = problem.phi_parameters()
         v = torch.autograd.grad(problem.retriever_upper_loss(), phi, allow_unused=True)
         v = [torch.zeros_like(p) if g is None else g for p, g in zip(phi, v)]
         p = self.inverse_hvp(problem, v)
         grads = torch.autograd.grad(problem.lower_loss("phi", detach_teacher=False), phi, create_graph=True)
-        return -sum((g * q).sum() for g, q in zip(grads, p))
+        return -sum(((g * q).sum() for g, q in zip(grads, p) if g.requires_grad), phi[0].new_zeros(()))
 
     def hypergradient(self, problem: BilevelProblem) -> list[torch.Tensor]:
         params = problem.policy_parameters()
@@ -298,7 +327,7 @@ class ImplicitSolver(Solver):
 
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
         logs = self._phi_steps_on_lower(problem, updates)
-        logs.update(self._policy_steps(problem, updates, extra=lambda: self.correction_loss(problem)))
+        logs.update(self._policy_steps(problem, updates, extra=lambda: [self.correction_loss(problem)]))
         return logs
 
 

@@ -85,6 +85,7 @@ class BridgeModule(L.LightningModule):
         retrieval_temperature: float = 0.1,
         teacher_temperature: float = 1.0,
         mask_observations: bool = True,
+        micro_batch_size: int = 8,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "retriever"])
@@ -99,7 +100,7 @@ class BridgeModule(L.LightningModule):
             kl_kind=kl_kind, entropy_coef=entropy_coef, loss_agg=loss_agg, scale_by_std=scale_by_std,
             gamma=gamma, gae_lambda=gae_lambda, value_coef=value_coef,
             retrieval_temperature=retrieval_temperature, teacher_temperature=teacher_temperature,
-            mask_observations=mask_observations,
+            mask_observations=mask_observations, micro_batch_size=micro_batch_size,
         )
         self.solver = make_solver(
             mode, phi_steps=phi_steps, psi_steps=psi_steps, policy_epochs=policy_epochs, lam_init=lam_init,
@@ -137,9 +138,9 @@ class BridgeModule(L.LightningModule):
         if self.solver.trains_retriever:
             # φ's optimizer also owns a separately trained passage tower, if the retriever has one
             passage_tower = getattr(self.retriever, "passage_encoder", None)
-            phi_towers = [self.retriever.query_encoder] + (
-                [passage_tower] if passage_tower is not None and passage_tower is not self.retriever.query_encoder else []
-            )
+            phi_towers = [self.retriever.query_encoder]
+            if passage_tower is not None and passage_tower is not self.retriever.query_encoder:
+                phi_towers.append(passage_tower)
             for towers in [phi_towers] + ([[self.psi]] if self.psi is not None else []):
                 params = [p for tower in towers for p in tower.parameters() if p.requires_grad]
                 optimizers.append(build(hp.retriever_optimizer, params, 1e-5))
@@ -178,7 +179,12 @@ class BridgeModule(L.LightningModule):
         hp = self.hparams
         scores, rows = self.retriever.search(queries, hp.candidates)
         valid = rows >= 0
-        k = min(hp.top_k, int(valid.sum(-1).min()))
+        k = hp.top_k
+        if int(valid.sum(-1).min()) < k:
+            raise ValueError(
+                f"{type(self.retriever).__name__} returned fewer than model.top_k={k} candidates for a query; "
+                "the corpus is smaller than top_k"
+            )
         logits = scores.float() / self.rl_config.retrieval_temperature
         if stochastic:
             order = gumbel_topk(logits, k, generator=generator, valid=valid)
@@ -257,8 +263,8 @@ class BridgeModule(L.LightningModule):
             per_dataset[key] = values
             self.log_dict({f"{key}/{name}": v for name, v in values.items()}, sync_dist=False)
             metric.reset()
-        if per_dataset:
-            for name in ("em", "f1"):
+        if per_dataset:  # the unweighted mean over datasets of each metric: val/em, val/f1, val/searches, ...
+            for name in next(iter(per_dataset.values())):
                 mean = sum(v[name] for v in per_dataset.values()) / len(per_dataset)
                 self.log(f"{stage}/{name}", mean, prog_bar=name == "em")
 

@@ -55,7 +55,7 @@ class Policy(nn.Module):
         target_modules: str | list[str] = "all-linear",
         load_in_4bit: bool = False,
         dtype: str = "float32",
-        logprob_chunk: int = 256,
+        logprob_chunk: int = 64,
         gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
@@ -176,10 +176,24 @@ class Policy(nn.Module):
         return logp, entropy, hidden
 
     @torch.no_grad()
+    def logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch: int = 8, reference: bool = False
+    ) -> torch.Tensor:
+        """``[B, T]`` log-probs without grad, ``micro_batch`` rows at a time (bounded memory).
+
+        ``reference=True`` scores under the reference policy (adapter off).
+        """
+        context = self.reference_mode() if reference else contextlib.nullcontext(None)
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        with context as model:
+            for start in range(0, input_ids.shape[0], micro_batch):
+                rows = slice(start, start + micro_batch)
+                out[rows] = self(input_ids[rows], attention_mask[rows], model=model)[0]
+        return out
+
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` log-probs under the reference policy (adapter off), without grad."""
-        with self.reference_mode() as ref:
-            return self(input_ids, attention_mask, model=ref)[0]
+        return self.logprobs(input_ids, attention_mask, reference=True)
 
     def sequence_loglik(self, sequences: list[tuple[list[int], list[int]]], batch_size: int = 32) -> torch.Tensor:
         """Mean log-prob of each target given its context: ``[N]`` for N (context_ids, target_ids) pairs.

@@ -7,6 +7,7 @@ search calls chosen for LM credit (METHOD.md sections 2-4).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ class RLConfig:
         retrieval_temperature: τ_r of P_φ = softmax(score / τ_r) (sampling and G).
         teacher_temperature: β of Q_θ = softmax(ℓ_θ / β).
         mask_observations: False is the ablation that trains on retrieved tokens too.
+        micro_batch_size: trajectories per forward/backward in the policy update (gradient accumulation;
+            the result equals the full-batch loss) and LM-credit sequences per chunk is 4x this.
     """
 
     algorithm: str = "grpo"
@@ -53,6 +56,7 @@ class RLConfig:
     retrieval_temperature: float = 0.1
     teacher_temperature: float = 1.0
     mask_observations: bool = True
+    micro_batch_size: int = 8
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("grpo", "ppo"):
@@ -91,7 +95,9 @@ class RLProblem:
         self.mask = batch.action_mask if config.mask_observations else self._all_response_tokens()
         with torch.no_grad():
             self.ref_logprobs = (
-                policy.reference_logprobs(batch.input_ids, batch.attention_mask) if config.kl_coef > 0 else None
+                policy.logprobs(batch.input_ids, batch.attention_mask, config.micro_batch_size, reference=True)
+                if config.kl_coef > 0
+                else None
             )
             self.seq_advantages, self.advantages, self.old_values, self.returns = self._advantages()
             self.lm_scores = self._lm_scores() if batch.credit_searches.numel() else None
@@ -109,8 +115,10 @@ class RLProblem:
         if cfg.algorithm == "grpo":
             seq = rl.grpo_advantages(batch.rewards, batch.group_ids, scale_by_std=cfg.scale_by_std)
             return seq, rl.broadcast_to_tokens(seq, self.mask), None, None
-        hidden = self.policy(batch.input_ids, batch.attention_mask)[2]
-        values = self.value_head(hidden.float()).squeeze(-1)
+        values = torch.zeros_like(self.mask)
+        for rows in self._row_slices():
+            hidden = self.policy(batch.input_ids[rows], batch.attention_mask[rows])[2]
+            values[rows] = self.value_head(hidden.float()).squeeze(-1)
         token_rewards = torch.zeros_like(self.mask)
         last = (self.mask * torch.arange(self.mask.shape[1], device=self.mask.device)).argmax(-1)
         token_rewards[torch.arange(len(last)), last] = batch.rewards
@@ -123,7 +131,18 @@ class RLProblem:
         """ℓ_θ(d) ``[S', K']``: mean log-prob of the gold answer with only candidate d retrieved."""
         batch = self.batch
         S, K = batch.credit_searches.numel(), batch.search_candidates.shape[1]
-        return self.policy.sequence_loglik(batch.credit_sequences).view(S, K)
+        return self.policy.sequence_loglik(batch.credit_sequences, self.cfg.micro_batch_size).view(S, K)
+
+    def _row_slices(self) -> list[slice]:
+        size = self.cfg.micro_batch_size
+        return [slice(i, i + size) for i in range(0, self.batch.batch_size, size)]
+
+    def _part_weight(self, rows: slice) -> torch.Tensor:
+        """Share of the full-batch aggregate that the rows ``rows`` carry, so that parts sum to the whole."""
+        if self.cfg.loss_agg == "token-mean":
+            return self.mask[rows].sum() / self.mask.sum().clamp(min=1)
+        has_tokens = (self.mask.sum(-1) > 0).float()
+        return has_tokens[rows].sum() / has_tokens.sum().clamp(min=1)
 
     # ---- the BilevelProblem protocol ------------------------------------------------------------
     def policy_parameters(self) -> list[torch.Tensor]:
@@ -134,29 +153,46 @@ class RLProblem:
         return [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
 
     def policy_loss(self) -> torch.Tensor:
-        batch, cfg, mask = self.batch, self.cfg, self.mask
-        logp, entropy, hidden = self.policy(batch.input_ids, batch.attention_mask)
+        return sum(self.policy_loss_parts())
+
+    def policy_loss_parts(self) -> Iterator[torch.Tensor]:
+        """The policy loss over micro-batches of rows, each weighted by its share of the aggregate."""
+        for key in [k for k in self.stats if k.startswith(("policy/", "critic/"))]:
+            del self.stats[key]
+        for rows in self._row_slices():
+            weight = self._part_weight(rows)
+            if weight > 0:
+                yield weight * self._policy_loss_rows(rows, float(weight))
+
+    def _policy_loss_rows(self, rows: slice, weight: float) -> torch.Tensor:
+        """F on the trajectories ``rows`` (trailing padding trimmed); adds ``weight`` × its stats to ``stats``."""
+        batch, cfg = self.batch, self.cfg
+        T = int(batch.attention_mask[rows].sum(-1).max())
+        cols = (rows, slice(0, T))
+        mask, adv, old = self.mask[cols], self.advantages[cols], batch.old_logprobs[cols]
+        logp, entropy, hidden = self.policy(batch.input_ids[cols], batch.attention_mask[cols])
         clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
-        loss = rl.policy_loss(logp, batch.old_logprobs, self.advantages, mask, agg=cfg.loss_agg, **clip)
-        stats = rl.policy_loss_stats(logp, batch.old_logprobs, self.advantages, mask, **clip)
-        self.stats.update(
-            {
-                "policy/clip_fraction": stats.clip_fraction,
-                "policy/approx_kl": stats.approx_kl,
-                "policy/entropy": float(rl.masked_mean(entropy.detach(), mask)),
-            }
-        )
+        loss = rl.policy_loss(logp, old, adv, mask, agg=cfg.loss_agg, **clip)
+        stats = rl.policy_loss_stats(logp, old, adv, mask, **clip)
+        values = {
+            "policy/clip_fraction": stats.clip_fraction,
+            "policy/approx_kl": stats.approx_kl,
+            "policy/entropy": float(rl.masked_mean(entropy.detach(), mask)),
+        }
         if self.ref_logprobs is not None:
-            kl = rl.agg_loss(rl.kl_penalty(logp, self.ref_logprobs, cfg.kl_kind), mask, cfg.loss_agg)
-            self.stats["policy/kl_ref"] = float(kl.detach())
+            kl = rl.agg_loss(rl.kl_penalty(logp, self.ref_logprobs[cols], cfg.kl_kind), mask, cfg.loss_agg)
+            values["policy/kl_ref"] = float(kl.detach())
             loss = loss + cfg.kl_coef * kl
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * rl.agg_loss(entropy, mask, cfg.loss_agg)
         if self.value_head is not None:
-            values = self.value_head(hidden.detach().float()).squeeze(-1)
-            vloss = rl.value_loss(values, self.old_values, self.returns, mask, clip=cfg.value_clip, agg=cfg.loss_agg)
-            self.stats["critic/value_loss"] = float(vloss.detach())
+            pred = self.value_head(hidden.detach().float()).squeeze(-1)
+            vloss = rl.value_loss(pred, self.old_values[cols], self.returns[cols], mask, clip=cfg.value_clip,
+                                  agg=cfg.loss_agg)
+            values["critic/value_loss"] = float(vloss.detach())
             loss = loss + cfg.value_coef * vloss
+        for key, value in values.items():
+            self.stats[key] = self.stats.get(key, 0.0) + weight * value
         return loss
 
     def _scores(self, searches: torch.Tensor, encoder: nn.Module | None) -> torch.Tensor:
@@ -192,17 +228,26 @@ class RLProblem:
         return kl.mean()
 
     def coupling_loss(self, lam: float) -> torch.Tensor:
+        return sum(self.coupling_loss_parts(lam), torch.zeros((), device=self.batch.input_ids.device))
+
+    def coupling_loss_parts(self, lam: float) -> Iterator[torch.Tensor]:
+        """Σ_{s,d} w_s(d) ℓ_θ(d) over chunks of the credit sequences (one weighted backward per chunk)."""
         if self.lm_scores is None or lam == 0 or self.psi is None:
-            return torch.zeros((), device=self.batch.input_ids.device)
+            return
         batch = self.batch
         valid = batch.search_valid[batch.credit_searches]
         with torch.no_grad():
             phi = self._scores(batch.credit_searches, None)
             psi = self._scores(batch.credit_searches, self.psi)
             weights = coupling_weights(self.lm_scores, phi, psi, 1.0, self.cfg.teacher_temperature, lam, valid=valid)
-        weights = weights / batch.credit_searches.numel()  # G is a mean over queries
+        weights = (weights / batch.credit_searches.numel()).masked_fill(~valid, 0.0).flatten()  # G: mean over s
         self.stats["bridge/coupling_weight_abs"] = float(weights.abs().sum())
-        return (weights * self._lm_scores().masked_fill(~valid, 0.0)).sum()
+        chunk = 4 * self.cfg.micro_batch_size
+        for start in range(0, weights.numel(), chunk):
+            w = weights[start : start + chunk]
+            if w.abs().sum() > 0:
+                sequences = batch.credit_sequences[start : start + chunk]
+                yield (w * self.policy.sequence_loglik(sequences, chunk)).sum()
 
     def _zero_phi(self) -> torch.Tensor:
         """A zero that still belongs to φ's graph (so optimizers see zero grads, not missing ones)."""

@@ -44,6 +44,12 @@ class ToyProblem:
     def coupling_loss(self, lam):
         return lam * (self._g(self.x, self.y.detach()) - self._g(self.x, self.z.detach()))
 
+    def policy_loss_parts(self):
+        yield self.policy_loss()
+
+    def coupling_loss_parts(self, lam):
+        yield self.coupling_loss(lam)
+
 
 def sgd(param, lr):
     return ParamUpdate(torch.optim.SGD([param], lr=lr))

@@ -32,6 +32,12 @@ INSTRUCTION = (
 )
 
 
+def policy_text(trajectory: Trajectory, tokenizer) -> str:
+    """The text of the tokens the policy generated (observations and env messages left out)."""
+    ids = [i for i, m in zip(trajectory.response_ids, trajectory.action_mask) if m]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class _PromptStream(IterableDataset):
     """An endless, seeded stream of training batches (lists of examples), resumable by position.
 
@@ -210,11 +216,13 @@ class RolloutDataModule(L.LightningDataModule):
         )
         per_traj = [examples[t.prompt_index] for t in trajectories]
         answer_tags = dict(open_tag=f"<{self.env_config.answer_tag}>", close_tag=f"</{self.env_config.answer_tag}>")
+        # Answers and rewards read only what the policy wrote: env messages quote the answer tags too.
+        written = [policy_text(t, tokenizer) for t in trajectories]
         batch = RolloutBatch.from_trajectories(
             trajectories,
             pad_token_id=tokenizer.pad_token_id,
-            answers=[extract_answer(t.response_text, **answer_tags) for t in trajectories],
-            rewards=[self.reward(t.response_text, ex.golden_answers) for t, ex in zip(trajectories, per_traj)],
+            answers=[extract_answer(text, **answer_tags) for text in written],
+            rewards=[self.reward(text, ex.golden_answers) for text, ex in zip(written, per_traj)],
             golds=[ex.golden_answers for ex in per_traj],
             questions=[ex.question for ex in per_traj],
             example_ids=[ex.id for ex in per_traj],
@@ -235,7 +243,7 @@ class RolloutDataModule(L.LightningDataModule):
         was_training = module.policy.training
         module.policy.eval()
         ids, attn = batch.input_ids.to(module.device), batch.attention_mask.to(module.device)
-        logp = module.policy(ids, attn)[0].cpu()
+        logp = module.policy.logprobs(ids, attn, micro_batch=module.rl_config.micro_batch_size).cpu()
         module.policy.train(was_training)
         batch.old_logprobs = logp * batch.action_mask
 

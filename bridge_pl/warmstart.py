@@ -1,0 +1,80 @@
+"""Warm start: a short supervised phase on search demonstrations, before RL.
+
+A demonstration is what a competent agent would have written for a training question: a ``<think>``,
+one ``<search>`` per hop (the hop queries the data records, e.g. the world's ``hop_queries``), the
+passages the *current* retriever really returns for each query (top-k, so a miss stays a miss), then the
+gold ``<answer>``. Demonstrations are deliberately imperfect: with probability ``noise`` a hop query is
+replaced by the raw question (a weaker query), so RL and the retriever still have something to fix.
+Only the agent's own tokens are trained on (observations are masked, as in RL).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from bridge_pl.data.qa import QAExample
+from bridge_pl.rollout.env import SearchEnv
+
+
+@dataclass
+class Demonstration:
+    """Token ids of prompt + response, and the loss mask (1 on agent-written tokens)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def demonstration_segments(
+    example: QAExample, env: SearchEnv, retrieve, rng: random.Random, noise: float
+) -> list[tuple[str, bool]]:
+    """The response of one demonstration as (text, written-by-the-agent) segments.
+
+    ``retrieve(queries) -> list[SearchOutcome]`` is the deterministic (top-k) retrieval of the module.
+    """
+    cfg = env.config
+    queries = list(example.metadata.get("hop_queries") or [example.question])
+    queries = [example.question if rng.random() < noise else q for q in queries]
+    segments: list[tuple[str, bool]] = []
+    outcomes = retrieve(queries)
+    for i, (query, outcome) in enumerate(zip(queries, outcomes)):
+        lead = "I need to look this up." if i == 0 else "I need one more fact."
+        segments.append((f"<{cfg.think_tag}> {lead} </{cfg.think_tag}>\n<{cfg.search_tag}> {query} </{cfg.search_tag}>",
+                         True))
+        segments.append((env.observation(outcome.passages), False))
+    answer = example.golden_answers[0]
+    segments.append((f"<{cfg.think_tag}> I have the answer. </{cfg.think_tag}>\n"
+                     f"<{cfg.answer_tag}> {answer} </{cfg.answer_tag}>", True))
+    return segments
+
+
+def tokenize_demonstration(prompt_ids: list[int], segments: list[tuple[str, bool]], tokenizer) -> Demonstration:
+    """Concatenate the prompt and separately tokenized segments, as the rollout engine would."""
+    ids, mask = list(prompt_ids), [0] * len(prompt_ids)
+    for text, trained in segments:
+        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += seg
+        mask += [int(trained)] * len(seg)
+    if tokenizer.eos_token_id is not None:  # end of the agent's turn, as the chat template expects
+        ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+    return Demonstration(ids, mask)
+
+
+def sft_loss(policy, demos: list[Demonstration]) -> torch.Tensor:
+    """Mean negative log-likelihood of the agent-written tokens of ``demos`` (a scalar)."""
+    device = next(policy.parameters()).device
+    T = max(len(d.input_ids) for d in demos)
+    ids = torch.full((len(demos), T), policy.tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros(len(demos), T, dtype=torch.long)
+    mask = torch.zeros(len(demos), T)
+    for r, d in enumerate(demos):
+        n = len(d.input_ids)
+        ids[r, :n] = torch.tensor(d.input_ids)
+        attn[r, :n] = 1
+        mask[r, :n] = torch.tensor(d.loss_mask, dtype=torch.float32)
+    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+    logp = policy(ids, attn)[0]
+    return -(logp * mask).sum() / mask.sum().clamp(min=1)

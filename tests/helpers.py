@@ -1,0 +1,66 @@
+"""Shared helpers for the end-to-end tests: build and run the real CLI on the tiny config."""
+
+import contextlib
+from pathlib import Path
+
+import lightning as L
+
+from bridge_pl.cli import BridgeCLI
+
+CONFIGS = Path(__file__).parent / "configs"
+TINY = str(CONFIGS / "tiny.yaml")
+STEER = 50.0
+
+
+def tiny_cli(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = (TINY,)) -> BridgeCLI:
+    """Instantiate (not run) the CLI on the tiny config, writing under ``tmp_path``."""
+    args = []
+    for config in configs:
+        args += ["--config", config]
+    args += [f"--trainer.default_root_dir={tmp_path}", *overrides]
+    return BridgeCLI(args=args, run=False)
+
+
+@contextlib.contextmanager
+def searching(policy):
+    """Make the random tiny policy issue searches: bias its next-token logits during generation.
+
+    After a newline (the end of the prompt, or of an observation) it writes ``<search> alpha|beta</search>``;
+    the query word is sampled. Only the generation forward is biased (``Policy.forward``, used for the
+    losses, is untouched), so every loss term sees real searches, retrievals and LM-credit sequences.
+    """
+    tok = policy.tokenizer
+
+    def token(text):
+        (only,) = tok(text, add_special_tokens=False)["input_ids"]
+        return only
+
+    lt, search, gt, close, alpha, beta = (token(s) for s in ["<", "search", ">", "</", " alpha", " beta"])
+    table = {token("\n"): {lt: STEER}, token("\n\n"): {lt: STEER}, lt: {search: STEER}, search: {gt: STEER},
+             gt: {alpha: STEER, beta: STEER}, alpha: {close: STEER}, beta: {close: STEER}, close: {search: STEER}}
+
+    def hook(module, args, kwargs, output):
+        inputs = kwargs.get("input_ids")
+        logits = output.logits
+        inputs = inputs[:, -logits.shape[1]:]
+        for src, dsts in table.items():
+            rows, cols = (inputs == src).nonzero(as_tuple=True)
+            for dst, bias in dsts.items():
+                logits[rows, cols, dst] += bias
+        return output
+
+    handle = policy.hf_model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def fit_tiny(tmp_path: Path, *overrides: str, callbacks: tuple[L.Callback, ...] = (), ckpt_path: str | None = None,
+             configs: tuple[str, ...] = (TINY,), search: bool = True) -> BridgeCLI:
+    """Instantiate the tiny CLI, add ``callbacks``, and fit (with the policy steered to search)."""
+    cli = tiny_cli(tmp_path, *overrides, configs=configs)
+    cli.trainer.callbacks.extend(callbacks)
+    with searching(cli.model.policy) if search else contextlib.nullcontext():
+        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt_path)
+    return cli

@@ -1,1 +1,13 @@
-"""Lightning callbacks for bridge-pl, named in configs as ``callbacks.<Name>``."""
+"""Lightning callbacks for bridge-pl, named in configs as ``callbacks.<Name>``.
+
+Each module is thin and calls into ``bridge_pl``.
+"""
+
+from callbacks.credit_report import CreditReport
+from callbacks.index_refresh import IndexRefresh
+from callbacks.landscape import LossLandscape
+from callbacks.progress import BridgeProgressBar
+from callbacks.qa_eval import QAEval
+from callbacks.warm_start import WarmStart
+
+__all__ = ["BridgeProgressBar", "CreditReport", "IndexRefresh", "LossLandscape", "QAEval", "WarmStart"]

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
+from bridge_pl.rewards import exact_match
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.warmstart import demonstration_segments, sft_loss, tokenize_demonstration
 
@@ -24,21 +25,42 @@ class WarmStart(L.Callback):
         noise: probability that a demonstration's hop query is replaced by the raw question.
         source: QA source of the demonstrations (default: the datamodule's training set).
         seed: seeds which examples are used and the noise.
+        evaluate: measure greedy EM on the validation sets before and after the warm start (printed and
+            logged as ``warmstart/{before,after}/<dataset>/em``), so the run shows what RL adds on top.
     """
 
     def __init__(
         self, steps: int = 50, batch_size: int = 8, lr: float = 1e-3, noise: float = 0.3,
-        source: str | None = None, seed: int = 0, grad_clip: float = 1.0,
+        source: str | None = None, seed: int = 0, grad_clip: float = 1.0, evaluate: bool = True,
     ) -> None:
         if not 0 <= noise <= 1:
             raise ValueError(f"WarmStart.noise must be in [0, 1], got {noise}")
         self.steps, self.batch_size, self.lr, self.noise = steps, batch_size, lr, noise
-        self.source, self.seed, self.grad_clip = source, seed, grad_clip
+        self.source, self.seed, self.grad_clip, self.evaluate = source, seed, grad_clip, evaluate
+        self.em: dict[str, dict[str, float]] = {}  # "before"/"after" -> dataset -> EM
+
+    def _evaluate(self, trainer: L.Trainer, pl_module, when: str) -> None:
+        """Greedy EM on every validation set, with the module's current policy and retriever."""
+        data = trainer.datamodule
+        self.em[when] = {}
+        for name, source in data.val_sources.items():
+            examples = data.load(source, data.max_eval_examples)
+            scores = []
+            for start in range(0, len(examples), data.eval_batch_size):
+                batch = data.rollout(pl_module, examples[start : start + data.eval_batch_size], False, name)
+                scores += [exact_match(a, g) for a, g in zip(batch.answers, batch.golds)]
+            self.em[when][name] = sum(scores) / max(1, len(scores))
+            if trainer.logger is not None:
+                trainer.logger.log_metrics({f"warmstart/{when}/{name}/em": self.em[when][name]}, step=0)
+            em = self.em[when][name]
+            rank_zero_info(f"WarmStart: {name} EM {when} warm start = {em:.3f} ({len(scores)} questions)")
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.ckpt_path is not None or trainer.global_step > 0:
             rank_zero_info("WarmStart: resuming from a checkpoint, warm start skipped")
             return
+        if self.evaluate:
+            self._evaluate(trainer, pl_module, "before")
         data = trainer.datamodule
         policy = pl_module.policy
         tokenizer = policy.tokenizer
@@ -72,3 +94,5 @@ class WarmStart(L.Callback):
                 trainer.logger.log_metrics({"warmstart/loss": loss.item()}, step=step)
         policy.train(was_training)
         rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss.item():.3f})")
+        if self.evaluate:
+            self._evaluate(trainer, pl_module, "after")

@@ -24,7 +24,8 @@ TINY = [
 
 def test_every_recipe_is_covered():
     assert {p.name for p in CONFIGS} >= {
-        "demo.yaml", "smollm2_wiki.yaml", "search_r1_qwen2.5-3b.yaml", "bridge_qwen2.5-3b.yaml", "bridge_qwen2.5-7b.yaml"
+        "demo.yaml", "smollm2_wiki.yaml", "search_r1_qwen2.5-3b.yaml",
+        "bridge_qwen2.5-3b.yaml", "bridge_qwen2.5-7b.yaml",
     }
 
 

@@ -1,0 +1,74 @@
+"""Policy: chunked masked log-probs, the adapter-off reference, peft-format adapters, PPO value head."""
+
+import torch
+from peft import PeftModel
+
+from bridge_pl.models import load_causal_lm
+from bridge_pl.policy import Policy
+from bridge_pl.rollout.batch import RolloutBatch
+from bridge_pl.rollout.engine import SearchCall, SearchOutcome, Trajectory
+
+
+def test_chunked_logprobs_equal_full_softmax():
+    policy = Policy("tiny-llama", lora_r=4, logprob_chunk=3)
+    ids = torch.randint(0, 1000, (2, 10))
+    attn = torch.ones(2, 10, dtype=torch.long)
+    attn[1, :3] = 0  # left padding
+    logp, entropy, _ = policy(ids, attn)
+    logits = policy.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+    full = logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert torch.allclose(logp[:, 1:], full, atol=1e-5)
+    assert torch.all(logp[:, 0] == 0) and torch.all(entropy[:, 1:] > 0)
+    assert torch.allclose(policy.logprobs(ids, attn, micro_batch=1), logp.detach(), atol=1e-5)
+
+
+def test_reference_is_the_adapter_disabled():
+    policy = Policy("tiny-llama", lora_r=4)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    ids = torch.randint(0, 1000, (1, 8))
+    attn = torch.ones_like(ids)
+    base = load_causal_lm("tiny-llama")
+    base_logp = base(ids).logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert torch.allclose(policy.reference_logprobs(ids, attn)[:, 1:], base_logp, atol=1e-5)
+    assert not torch.allclose(policy(ids, attn)[0][:, 1:], base_logp, atol=1e-3)
+    # only adapters train, and only adapters are checkpointed
+    assert all("lora_" in k for k in policy.trained_state_dict())
+
+
+def test_adapter_saves_in_peft_format(tmp_path):
+    policy = Policy("tiny-llama", lora_r=4)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    policy.save_adapter(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(load_causal_lm("tiny-llama"), tmp_path / "adapter")
+    ids = torch.randint(0, 1000, (1, 6))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, policy.model(ids).logits, atol=1e-5)
+
+
+def test_rollout_batch_masks_token_by_token():
+    outcome = SearchOutcome(candidate_rows=[5, 2, 7], passage_rows=[7, 5], logprob=-1.5, passages=[])
+    traj = Trajectory(
+        prompt_index=0, prompt_ids=[10, 11, 12], response_ids=[20, 21, 30, 31, 32, 22],
+        action_mask=[1, 1, 0, 0, 0, 1], response_text="", searches=[SearchCall("q", 1, outcome)],
+        turns=2, valid_actions=2, invalid_actions=0, finished=True,
+    )
+    short = Trajectory(
+        prompt_index=1, prompt_ids=[10], response_ids=[40], action_mask=[1], response_text="", searches=[],
+        turns=1, valid_actions=1, invalid_actions=0, finished=True,
+    )
+    batch = RolloutBatch.from_trajectories(
+        [traj, short], pad_token_id=0, answers=["a", None], rewards=[1.0, 0.0], golds=[["a"], ["b"]],
+        questions=["q1", "q2"], example_ids=["1", "2"], metadata=[{}, {}], policy_version=3, retriever_version=4,
+    )
+    assert batch.input_ids.tolist() == [[10, 11, 12, 20, 21, 30, 31, 32, 22], [10, 40, 0, 0, 0, 0, 0, 0, 0]]
+    assert batch.action_mask.tolist() == [[0, 0, 0, 1, 1, 0, 0, 0, 1], [0, 1, 0, 0, 0, 0, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1] * 9, [1, 1] + [0] * 7]
+    assert batch.search_candidates.tolist() == [[5, 2, 7]] and batch.search_order.tolist() == [[2, 0]]
+    assert batch.shown_rows(0) == [7, 5] and batch.num_searches.tolist() == [1, 0]
+    assert batch.group_ids.tolist() == [0, 1] and batch.search_logprob.tolist() == [-1.5]

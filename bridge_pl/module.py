@@ -89,6 +89,11 @@ class BridgeModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "retriever"])
+        # LightningCLI stores the *config* of these callables in hparams; keep the callables themselves.
+        self.factories = {
+            "policy": policy_optimizer, "retriever": retriever_optimizer, "critic": critic_optimizer,
+            "policy_scheduler": policy_scheduler, "retriever_scheduler": retriever_scheduler,
+        }
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold what trains, not the frozen base weights
         if top_k > candidates:
@@ -126,15 +131,15 @@ class BridgeModule(L.LightningModule):
         self.retriever.prepare()
 
     def configure_optimizers(self):
-        hp = self.hparams
+        make = self.factories
 
         def build(factory, params, lr):
             return factory(params) if factory is not None else torch.optim.AdamW(params, lr=lr)
 
-        optimizers = [build(hp.policy_optimizer, self.policy.trainable_parameters(), 1e-5)]
+        optimizers = [build(make["policy"], self.policy.trainable_parameters(), 1e-5)]
         schedulers = []
-        if hp.policy_scheduler is not None:
-            schedulers.append(hp.policy_scheduler(optimizers[0]))
+        if make["policy_scheduler"] is not None:
+            schedulers.append(make["policy_scheduler"](optimizers[0]))
         if self.solver.trains_retriever:
             # φ's optimizer also owns a separately trained passage tower, if the retriever has one
             passage_tower = getattr(self.retriever, "passage_encoder", None)
@@ -143,11 +148,11 @@ class BridgeModule(L.LightningModule):
                 phi_towers.append(passage_tower)
             for towers in [phi_towers] + ([[self.psi]] if self.psi is not None else []):
                 params = [p for tower in towers for p in tower.parameters() if p.requires_grad]
-                optimizers.append(build(hp.retriever_optimizer, params, 1e-5))
-                if hp.retriever_scheduler is not None:
-                    schedulers.append(hp.retriever_scheduler(optimizers[-1]))
+                optimizers.append(build(make["retriever"], params, 1e-5))
+                if make["retriever_scheduler"] is not None:
+                    schedulers.append(make["retriever_scheduler"](optimizers[-1]))
         if self.value_head is not None:
-            optimizers.append(build(hp.critic_optimizer, list(self.value_head.parameters()), 1e-4))
+            optimizers.append(build(make["critic"], list(self.value_head.parameters()), 1e-4))
         return optimizers, schedulers
 
     def _updates(self) -> Updates:

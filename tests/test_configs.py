@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from bridge_pl.cli import BridgeCLI
 from bridge_pl.module import BridgeModule
@@ -35,3 +36,5 @@ def test_config_instantiates(config, tmp_path):
     assert isinstance(cli.model, BridgeModule)
     assert cli.model.solver.name == cli.config["model"]["mode"]
     assert cli.datamodule.train_source == cli.config["data"]["train"]
+    optimizers, _ = cli.model.configure_optimizers()  # the optimizer callables from YAML are callables
+    assert all(isinstance(opt, torch.optim.Optimizer) for opt in optimizers)

@@ -156,21 +156,29 @@ class BridgeModule(L.LightningModule):
         return optimizers, schedulers
 
     def _updates(self) -> Updates:
-        hp = self.hparams
         opts = self.optimizers()
         # Raw optimizers: a LightningOptimizer step would count as a trainer step, and one training step
         # here is one whole iteration (see _count_iteration).
-        opts = [o.optimizer for o in (opts if isinstance(opts, list | tuple) else [opts])]
+        return self.updates_from([o.optimizer for o in (opts if isinstance(opts, list | tuple) else [opts])])
+
+    def updates_from(self, optimizers: list[torch.optim.Optimizer], backward=None) -> Updates:
+        """Map ``configure_optimizers``' optimizers to the solver's updates (policy, φ, ψ; critic joins policy).
+
+        ``backward`` defaults to Lightning's ``manual_backward`` (needs a trainer).
+        """
+        hp = self.hparams
+        backward = backward or self.manual_backward
+        opts = list(optimizers)
         policy_opt = opts.pop(0)
         critic_opt = opts.pop() if self.value_head is not None else None
         if critic_opt is not None:  # the critic head trains in the same backward as the policy
             policy_opt = _JointOptimizer([policy_opt, critic_opt])
-        policy = ParamUpdate(policy_opt, self.manual_backward, hp.grad_clip_policy)
+        policy = ParamUpdate(policy_opt, backward, hp.grad_clip_policy)
         phi = psi = None
         if opts:
-            phi = ParamUpdate(opts[0], self.manual_backward, hp.grad_clip_retriever, self.retriever.bump_version)
+            phi = ParamUpdate(opts[0], backward, hp.grad_clip_retriever, self.retriever.bump_version)
         if len(opts) > 1:
-            psi = ParamUpdate(opts[1], self.manual_backward, hp.grad_clip_retriever)
+            psi = ParamUpdate(opts[1], backward, hp.grad_clip_retriever)
         return Updates(policy=policy, phi=phi, psi=psi)
 
     # ---- retrieval during rollouts ---------------------------------------------------------------

@@ -37,7 +37,7 @@ class RLConfig:
         teacher_temperature: β of Q_θ = softmax(ℓ_θ / β).
         mask_observations: False is the ablation that trains on retrieved tokens too.
         micro_batch_size: trajectories per forward/backward in the policy update (gradient accumulation;
-            the result equals the full-batch loss) and LM-credit sequences per chunk is 4x this.
+            the result equals the full-batch loss), and LM-credit sequences per forward/backward.
     """
 
     algorithm: str = "grpo"
@@ -242,7 +242,7 @@ class RLProblem:
             weights = coupling_weights(self.lm_scores, phi, psi, 1.0, self.cfg.teacher_temperature, lam, valid=valid)
         weights = (weights / batch.credit_searches.numel()).masked_fill(~valid, 0.0).flatten()  # G: mean over s
         self.stats["bridge/coupling_weight_abs"] = float(weights.abs().sum())
-        chunk = 4 * self.cfg.micro_batch_size
+        chunk = self.cfg.micro_batch_size
         for start in range(0, weights.numel(), chunk):
             w = weights[start : start + chunk]
             if w.abs().sum() > 0:

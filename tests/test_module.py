@@ -97,3 +97,16 @@ def test_resume_gives_the_same_next_steps(tmp_path):
     assert all(step[0] != 0 and step[2] != 0 for step in full.losses)  # real policy and retriever losses
     for got, want in zip(first.losses + resumed.losses, full.losses, strict=True):
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
+def test_ppo_trains_the_value_head(tmp_path):
+    cli = tiny_cli(tmp_path, "--model.algorithm=ppo", "--model.mode=retriever_first", "--trainer.limit_val_batches=0",
+                   "--data.reward=plugins.DistinctWordsReward")
+    head = cli.model.value_head.weight.detach().clone()
+    losses = LossRecorder()
+    cli.trainer.callbacks.append(losses)
+    with searching(cli.model.policy):
+        cli.trainer.fit(cli.model, cli.datamodule)
+    assert not torch.equal(head, cli.model.value_head.weight.detach())
+    assert cli.trainer.callback_metrics["critic/value_loss"] > 0
+    assert cli.trainer.global_step == 2  # iterations, not inner optimizer steps

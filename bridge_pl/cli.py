@@ -71,7 +71,7 @@ def main(args: list[str] | None = None) -> BridgeCLI | None:
     if argv[:1] == ["world"]:
         world_main(argv[1:])
         return None
-    return BridgeCLI(args=argv)
+    return BridgeCLI(args=args)  # None: LightningCLI reads sys.argv itself
 
 
 if __name__ == "__main__":

@@ -65,13 +65,13 @@ def world_main(argv: list[str]) -> None:
         print(f"{name}: {path}")
 
 
-def main(args: list[str] | None = None) -> BridgeCLI | None:
-    """Entry point of the ``bridge-pl`` command."""
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``bridge-pl`` command (returns None: the console script exits with status 0)."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["world"]:
         world_main(argv[1:])
-        return None
-    return BridgeCLI(args=args)  # None: LightningCLI reads sys.argv itself
+    else:
+        BridgeCLI(args=args)  # None: LightningCLI reads sys.argv itself
 
 
 if __name__ == "__main__":

@@ -22,6 +22,29 @@ def tiny_cli(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = (TINY,)
 
 
 @contextlib.contextmanager
+def bigram_bias(model, table: dict[int, dict[int, float]]):
+    """While active, logits after input token ``src`` get ``+table[src][dst]`` on each token ``dst``.
+
+    Only ``model``'s own forward is biased. ``table`` may be mutated in place while active.
+    """
+
+    def hook(module, args, kwargs, output):
+        inputs = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        logits = output.logits
+        inputs = inputs[:, -logits.shape[1]:]
+        for src, dsts in table.items():
+            rows, cols = (inputs == src).nonzero(as_tuple=True)
+            for dst, bias in dsts.items():
+                logits[rows, cols, dst] += bias
+        return output
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield table
+    finally:
+        handle.remove()
+
+
 def searching(policy):
     """Make the random tiny policy issue searches: bias its next-token logits during generation.
 
@@ -38,22 +61,7 @@ def searching(policy):
     lt, search, gt, close, alpha, beta = (token(s) for s in ["<", "search", ">", "</", " alpha", " beta"])
     table = {token("\n"): {lt: STEER}, token("\n\n"): {lt: STEER}, lt: {search: STEER}, search: {gt: STEER},
              gt: {alpha: STEER, beta: STEER}, alpha: {close: STEER}, beta: {close: STEER}, close: {search: STEER}}
-
-    def hook(module, args, kwargs, output):
-        inputs = kwargs.get("input_ids")
-        logits = output.logits
-        inputs = inputs[:, -logits.shape[1]:]
-        for src, dsts in table.items():
-            rows, cols = (inputs == src).nonzero(as_tuple=True)
-            for dst, bias in dsts.items():
-                logits[rows, cols, dst] += bias
-        return output
-
-    handle = policy.hf_model.register_forward_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
+    return bigram_bias(policy.hf_model, table)
 
 
 def fit_tiny(tmp_path: Path, *overrides: str, callbacks: tuple[L.Callback, ...] = (), ckpt_path: str | None = None,

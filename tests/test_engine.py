@@ -10,12 +10,12 @@ and all unbiased text are decided by the model's own logits).
 from __future__ import annotations
 
 import zlib
-from contextlib import contextmanager
 
 import faiss
 import numpy as np
 import pytest
 import torch
+from helpers import bigram_bias
 
 from bridge_pl.data.qa import Passage
 from bridge_pl.models import load_causal_lm, load_tokenizer
@@ -55,30 +55,6 @@ def ids(tok, text: str) -> list[int]:
 def one(tok, text: str) -> int:
     (token,) = ids(tok, text)
     return token
-
-
-@contextmanager
-def bigram_bias(model, table: dict[int, dict[int, float]]):
-    """While active, logits after input token ``src`` get ``+table[src][dst]`` on each token ``dst``.
-
-    ``table`` may be mutated in place while active (e.g. by a search_fn between turns).
-    """
-
-    def hook(module, args, kwargs, output):
-        inputs = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
-        logits = output.logits
-        inputs = inputs[:, -logits.shape[1]:]
-        for src, dsts in table.items():
-            b, t = (inputs == src).nonzero(as_tuple=True)
-            for dst, bias in dsts.items():
-                logits[b, t, dst] += bias
-        return output
-
-    handle = model.register_forward_hook(hook, with_kwargs=True)
-    try:
-        yield table
-    finally:
-        handle.remove()
 
 
 def chain(tokens: list[int]) -> dict[int, dict[int, float]]:

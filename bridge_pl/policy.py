@@ -152,9 +152,8 @@ class Policy(nn.Module):
             entropy ``[B, T]``: entropy of the distribution that produced token t (0 at t=0).
             hidden ``[B, T, H]``: last hidden states (for a value head).
         """
-        hf = model.get_base_model() if (model is not None and hasattr(model, "get_base_model")) else (
-            model if model is not None else self.hf_model
-        )
+        model = self.model if model is None else model
+        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         backbone = getattr(hf, hf.base_model_prefix)
         head = hf.get_output_embeddings()
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

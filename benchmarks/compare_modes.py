@@ -1,10 +1,13 @@
 """Train each solver mode on the world with the same seeds and budget; compare test metrics and dev-EM curves.
 
 Variants: ``frozen`` (Search-R1), ``policy_first``, ``retriever_first``, ``bridge``, and ``unmasked``
-(``bridge`` trained on retrieved tokens too, ``model.mask_observations=false``). Each (variant, seed) is one
-``bridge-pl fit`` + ``test`` in its own subprocess; the subprocess records ``val/<dev>/em`` at every
-validation, the test metrics (``test/<test>/em``, ``f1``; ``CreditReport``'s retrieval-miss share and
-recall@k) and its own peak RSS and fit time, into ``<runs>/<variant>_seed<seed>/result.json``.
+(``bridge`` trained on retrieved tokens too, ``model.mask_observations=false``). Every step runs in its own
+subprocess. Per seed, the config's ``WarmStart`` runs once (``<runs>/warm_seed<seed>``: the adapter and the dev EM
+after it, the curves' step 0); every variant of that seed then starts from that adapter (``policy.adapter``), so
+the variants differ only in what happens after it. Each (variant, seed) is one ``fit`` + ``test``; it records
+``val/<dev>/em`` at every validation, the test metrics (``test/<test>/em``, ``f1``; ``CreditReport``'s
+retrieval-miss share and recall@k) and its own peak RSS and fit time, into ``<runs>/<variant>_seed<seed>/result.json``.
+Finished runs are not repeated (delete their folder to redo one), so an interrupted comparison resumes.
 
 Outputs, mean ± std over seeds: ``<out>/compare_modes.md`` (table) and ``<out>/compare_modes_dev_em.png``
 (dev-EM curves). Usage::
@@ -42,6 +45,7 @@ VARIANTS = {
     "bridge": ["--model.mode=bridge"],
     "unmasked": ["--model.mode=bridge", "--model.mask_observations=false"],
 }
+WARM = "warm"  # the per-seed warm start's run folder and worker name
 # table column -> test metric name under test/<dataset>/
 COLUMNS = {"EM": "em", "F1": "f1", "retrieval-miss share": "credit/retrieval_miss_rate", "recall@k": "credit/recall@k"}
 
@@ -68,39 +72,71 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--modes", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"), help="folder of the table and plot")
     parser.add_argument("--runs", default="runs/compare_modes", help="folder of the per-run logs and results")
-    parser.add_argument("--worker", nargs=2, metavar=("MODE", "SEED"), help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--worker", nargs=2, metavar=("STEP", "SEED"), help=argparse.SUPPRESS)  # internal
     return parser.parse_known_args(argv)
 
 
-def run_dir(args: argparse.Namespace, variant: str, seed: int) -> Path:
-    return Path(args.runs) / f"{variant}_seed{seed}"
+def run_dir(args: argparse.Namespace, name: str, seed: int) -> Path:
+    return Path(args.runs) / f"{name}_seed{seed}"
+
+
+def build_cli(args: argparse.Namespace, overrides: list[str], name: str, seed: int, extra: list[str]) -> BridgeCLI:
+    """The config's CLI (not run) for one step of the comparison, seeded and writing under its run folder."""
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # our own flags are in sys.argv
+    return BridgeCLI(args=["--config", args.config, f"--seed_everything={seed}", f"--data.seed={seed}",
+                           f"--trainer.default_root_dir={run_dir(args, name, seed)}",
+                           "--trainer.enable_checkpointing=false", *extra, *overrides], run=False)
+
+
+def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dict:
+    """Worker: the config's ``WarmStart`` for one seed (no RL iteration), saved; then the dev EM it reaches."""
+    cli = build_cli(args, overrides, WARM, seed, ["--trainer.max_steps=0"])
+    trainer, data = cli.trainer, cli.datamodule
+    adapter = run_dir(args, WARM, seed) / "adapter"
+    warm = [c for c in trainer.callbacks if isinstance(c, WarmStart)]
+    for callback in warm:  # different seeds, different demonstrations; the dev EM is measured below
+        callback.seed, callback.evaluate, callback.save_to = seed, False, str(adapter)
+    trainer.fit(cli.model, data)
+    trainer.validate(cli.model, data, verbose=False)
+    dev = next(iter(data.val_sources))
+    return {"seed": seed, "adapter": str(adapter) if warm else None,
+            "dev_em": float(trainer.callback_metrics[f"val/{dev}/em"])}
 
 
 def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str, seed: int) -> dict:
-    """Worker: fit and test one (variant, seed) in this process; returns its result record."""
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # our own flags are in sys.argv
-    steps = [f"--trainer.max_steps={args.max_steps}"] if args.max_steps is not None else []
-    cli = BridgeCLI(args=["--config", args.config, *VARIANTS[variant], f"--seed_everything={seed}",
-                          f"--data.seed={seed}", f"--trainer.default_root_dir={run_dir(args, variant, seed)}",
-                          "--trainer.enable_checkpointing=false", *steps, *overrides], run=False)
+    """Worker: fit and test one (variant, seed) in this process, from the seed's warm start; its result record."""
+    warm = json.loads((run_dir(args, WARM, seed) / "result.json").read_text())
+    extra = [*VARIANTS[variant]]
+    if args.max_steps is not None:
+        extra.append(f"--trainer.max_steps={args.max_steps}")
+    if warm["adapter"] is not None:
+        extra.append(f"--model.policy.init_args.adapter={warm['adapter']}")
+    cli = build_cli(args, overrides, variant, seed, extra)
     trainer, data = cli.trainer, cli.datamodule
+    trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, WarmStart)]  # done once per seed
     dev, test = next(iter(data.val_sources)), next(iter(data.test_sources))
     curve = DevCurve(dev)
     trainer.callbacks.append(curve)
     if not any(isinstance(c, CreditReport) for c in trainer.callbacks):
         trainer.callbacks.append(CreditReport(log_train=False))
-    for callback in trainer.callbacks:
-        if isinstance(callback, WarmStart):  # different seeds, different demonstrations
-            callback.seed = seed
     start = time.perf_counter()
     trainer.fit(cli.model, data)
     fit_s = time.perf_counter() - start
     metrics = {k: v for per_loader in trainer.test(cli.model, data, verbose=False) for k, v in per_loader.items()}
     return {
-        "variant": variant, "seed": seed, "fit_s": fit_s, "dev_curve": curve.points,
+        "variant": variant, "seed": seed, "fit_s": fit_s, "dev_curve": [(0, warm["dev_em"]), *curve.points],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # ru_maxrss is in KiB
         **{column: metrics.get(f"test/{test}/{name}", math.nan) for column, name in COLUMNS.items()},
     }
+
+
+def run_step(args: argparse.Namespace, argv: list[str], name: str, seed: int) -> dict:
+    """Run one step of the comparison in a subprocess (unless its result is already there); its result record."""
+    result = run_dir(args, name, seed) / "result.json"
+    if not result.exists():
+        print(f"compare_modes: {name}, seed {seed}", flush=True)
+        subprocess.run([sys.executable, __file__, *argv, "--worker", name, str(seed)], check=True)
+    return json.loads(result.read_text())
 
 
 def mean_std(values: list[float], digits: int) -> str:
@@ -120,7 +156,8 @@ def markdown(results: dict[str, list[dict]], args: argparse.Namespace, argv: lis
         "",
         f"Config `{args.config}`, seeds {seeds}, test metrics on the config's first test set; mean ± std over seeds "
         "(n/a: undefined in every run, e.g. no failed trajectory). Peak memory: each run's peak RSS (whole process); "
-        "time: `trainer.fit` wall time (training + validation).",
+        "time: `trainer.fit` wall time (RL iterations + validations; the shared warm start is not included). "
+        "Step 0 of the dev-EM curves is the warm-started policy every variant of a seed starts from.",
         "",
         "| mode | " + " | ".join(COLUMNS) + " | peak RSS (MB) | fit time (s) |",
         "|---" * (len(COLUMNS) + 3) + "|",
@@ -150,7 +187,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         stds = [statistics.stdev(by_step[s]) if len(by_step[s]) > 1 else 0.0 for s in steps]
         ax.plot(steps, means, marker="o", label=variant)
         ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2)
-    ax.set_xlabel("training step")
+    ax.set_xlabel("RL iteration (0 = after the warm start)")
     ax.set_ylabel("dev EM")
     ax.set_title("dev EM during training (mean ± std over seeds)")
     ax.legend()
@@ -163,17 +200,15 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, overrides = parse_args(argv)
     if args.worker:
-        variant, seed = args.worker[0], int(args.worker[1])
-        result = train_and_test(args, overrides, variant, seed)
-        (run_dir(args, variant, seed) / "result.json").write_text(json.dumps(result, indent=1))
+        name, seed = args.worker[0], int(args.worker[1])
+        result = warm_start(args, overrides, seed) if name == WARM else train_and_test(args, overrides, name, seed)
+        (run_dir(args, name, seed) / "result.json").write_text(json.dumps(result, indent=1))
         return
-    results: dict[str, list[dict]] = {}
-    for variant in args.modes:
-        for seed in args.seeds:
-            print(f"compare_modes: {variant}, seed {seed}", flush=True)
-            subprocess.run([sys.executable, __file__, *argv, "--worker", variant, str(seed)], check=True)
-            result = json.loads((run_dir(args, variant, seed) / "result.json").read_text())
-            results.setdefault(variant, []).append(result)
+    results: dict[str, list[dict]] = {variant: [] for variant in args.modes}
+    for seed in args.seeds:  # seed-major: an interrupted comparison already has every variant for early seeds
+        run_step(args, argv, WARM, seed)
+        for variant in args.modes:
+            results[variant].append(run_step(args, argv, variant, seed))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare_modes.md").write_text(markdown(results, args, argv))

@@ -43,6 +43,8 @@ class Policy(nn.Module):
         logprob_chunk: time steps per chunk when turning hidden states into log-probs; bounds the
             ``[B, chunk, V]`` logits held at once (chunks are recomputed in backward).
         gradient_checkpointing: trade compute for activation memory in the backbone.
+        adapter: folder of a saved peft adapter to start from (e.g. one ``WarmStart(save_to=...)`` wrote);
+            its own LoRA settings replace ``lora_r``/``lora_alpha``/``lora_dropout``/``target_modules``.
     """
 
     def __init__(
@@ -57,12 +59,18 @@ class Policy(nn.Module):
         dtype: str = "float32",
         logprob_chunk: int = 64,
         gradient_checkpointing: bool = False,
+        adapter: str | None = None,
     ) -> None:
         super().__init__()
         if dtype not in _DTYPES:
             raise ValueError(f"policy.dtype must be one of {sorted(_DTYPES)}, got '{dtype}'")
         if load_in_4bit and not lora:
             raise ValueError("policy.load_in_4bit=True needs policy.lora=True (QLoRA trains adapters only)")
+        if adapter is not None and not lora:
+            raise ValueError("policy.adapter needs policy.lora=True (for full fine-tuning, point policy.model at the "
+                             "saved folder)")
+        if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"policy.adapter: no peft adapter (adapter_config.json) in '{adapter}'")
         self.name = model
         self.lora = lora
         self.logprob_chunk = logprob_chunk
@@ -75,17 +83,20 @@ class Policy(nn.Module):
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference: nn.Module | None = None
         if lora:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig, PeftModel, get_peft_model
 
             if load_in_4bit:
                 from peft import prepare_model_for_kbit_training
 
                 base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=gradient_checkpointing)
-            config = LoraConfig(
-                r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                target_modules=target_modules, task_type="CAUSAL_LM",
-            )
-            self.model = get_peft_model(base, config)
+            if adapter is not None:
+                self.model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
+            else:
+                config = LoraConfig(
+                    r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                    target_modules=target_modules, task_type="CAUSAL_LM",
+                )
+                self.model = get_peft_model(base, config)
         else:
             self.model = base
 

@@ -27,16 +27,20 @@ class WarmStart(L.Callback):
         seed: seeds which examples are used and the noise.
         evaluate: measure greedy EM on the validation sets before and after the warm start (printed and
             logged as ``warmstart/{before,after}/<dataset>/em``), so the run shows what RL adds on top.
+        save_to: folder to save the warm-started policy in (peft layout; rank 0), so later runs can start
+            from it with ``policy.adapter`` instead of repeating the warm start.
     """
 
     def __init__(
         self, steps: int = 50, batch_size: int = 8, lr: float = 1e-3, noise: float = 0.3,
         source: str | None = None, seed: int = 0, grad_clip: float = 1.0, evaluate: bool = True,
+        save_to: str | None = None,
     ) -> None:
         if not 0 <= noise <= 1:
             raise ValueError(f"WarmStart.noise must be in [0, 1], got {noise}")
         self.steps, self.batch_size, self.lr, self.noise = steps, batch_size, lr, noise
         self.source, self.seed, self.grad_clip, self.evaluate = source, seed, grad_clip, evaluate
+        self.save_to = save_to
         self.em: dict[str, dict[str, float]] = {}  # "before"/"after" -> dataset -> EM
 
     def _evaluate(self, trainer: L.Trainer, pl_module, when: str) -> None:
@@ -94,5 +98,8 @@ class WarmStart(L.Callback):
                 trainer.logger.log_metrics({"warmstart/loss": loss.item()}, step=step)
         policy.train(was_training)
         rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss.item():.3f})")
+        if self.save_to is not None and trainer.is_global_zero:
+            policy.save_adapter(self.save_to)
+            rank_zero_info(f"WarmStart: warm-started policy saved in {self.save_to}")
         if self.evaluate:
             self._evaluate(trainer, pl_module, "after")

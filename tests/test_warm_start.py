@@ -1,0 +1,90 @@
+"""Warm start: imperfect search demonstrations, the masked SFT loss, and the callback in a real fit."""
+
+import random
+
+import pytest
+import torch
+from helpers import fit_tiny
+
+from bridge_pl.data.qa import QAExample
+from bridge_pl.policy import Policy
+from bridge_pl.rollout.engine import SearchOutcome
+from bridge_pl.rollout.env import EnvConfig, SearchEnv
+from bridge_pl.warmstart import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
+from callbacks.warm_start import WarmStart
+
+
+def _example() -> QAExample:
+    return QAExample(
+        id="q1", question="Where was the founder of Acme born?", golden_answers=["Lindo", "Lindo City"],
+        metadata={"hop_queries": ["founder of Acme", "birthplace of Ada Vell"]},
+    )
+
+
+def _segments(noise: float, seed: int = 0) -> tuple[list[tuple[str, bool]], list[list[str]]]:
+    env = SearchEnv(EnvConfig(), Policy("tiny-llama", lora=False).tokenizer)
+    queries: list[list[str]] = []
+
+    def retrieve(qs):
+        queries.append(list(qs))
+        return [SearchOutcome(candidate_rows=[0], passage_rows=[0], logprob=0.0, passages=[]) for _ in qs]
+
+    return demonstration_segments(_example(), env, retrieve, random.Random(seed), noise), queries
+
+
+def test_demonstration_follows_the_hops_and_trains_only_agent_text():
+    segments, queries = _segments(noise=0.0)
+    assert queries == [["founder of Acme", "birthplace of Ada Vell"]]
+    # search turn, observation, search turn, observation, answer turn
+    assert [trained for _, trained in segments] == [True, False, True, False, True]
+    assert "<search> founder of Acme </search>" in segments[0][0]
+    assert "<search> birthplace of Ada Vell </search>" in segments[2][0]
+    assert "<information>" in segments[1][0] and "<information>" in segments[3][0]
+    assert segments[-1][0].endswith("<answer> Lindo </answer>")
+
+
+def test_noise_replaces_hop_queries_by_the_question():
+    _, clean = _segments(noise=0.0)
+    _, noisy = _segments(noise=1.0)
+    assert noisy == [[_example().question] * 2] and clean != noisy
+
+
+def test_tokenized_demonstration_masks_prompt_and_observations():
+    tok = Policy("tiny-llama", lora=False).tokenizer
+    demo = tokenize_demonstration([1, 2, 3], [("<search> a </search>", True), ("<information> b", False)], tok)
+    n_agent = len(tok("<search> a </search>", add_special_tokens=False)["input_ids"])
+    n_obs = len(tok("<information> b", add_special_tokens=False)["input_ids"])
+    assert demo.input_ids[:3] == [1, 2, 3] and demo.input_ids[-1] == tok.eos_token_id
+    assert demo.loss_mask == [0, 0, 0] + [1] * n_agent + [0] * n_obs + [1]
+
+
+def test_sft_loss_is_the_mean_nll_of_masked_tokens():
+    policy = Policy("tiny-llama", lora_r=4)
+    demos = [Demonstration([5, 6, 7, 8], [0, 1, 0, 1]), Demonstration([9, 10], [0, 1])]
+    loss = sft_loss(policy, demos)
+    pad = policy.tokenizer.pad_token_id
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, pad, pad]])
+    attn = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    logp = policy(ids, attn)[0].detach()
+    expected = -(logp[0, 1] + logp[0, 3] + logp[1, 1]) / 3
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path):
+    warm = WarmStart(steps=6, batch_size=2, lr=1e-2, save_to=str(tmp_path / "adapter"))
+    cli = fit_tiny(tmp_path / "fit", "--trainer.max_steps=1", callbacks=(warm,))
+    assert set(warm.em) == {"before", "after"} and set(warm.em["after"]) == {"world_dev"}
+    policy = cli.model.policy
+    reloaded = Policy("tiny-llama", adapter=str(tmp_path / "adapter"))
+    # the adapter was saved right after the warm start; one RL step has moved the live policy since
+    warm_state = reloaded.trained_state_dict()
+    assert set(warm_state) == set(policy.trained_state_dict())
+    assert any(v.abs().sum() > 0 for k, v in warm_state.items() if "lora_B" in k)  # trained (lora_B starts at 0)
+    assert all(p.requires_grad for p in reloaded.trainable_parameters()) and reloaded.trainable_parameters()
+
+
+def test_adapter_option_errors_name_the_option(tmp_path):
+    with pytest.raises(FileNotFoundError, match="policy.adapter"):
+        Policy("tiny-llama", adapter=str(tmp_path))
+    with pytest.raises(ValueError, match="policy.adapter"):
+        Policy("tiny-llama", lora=False, adapter=str(tmp_path))

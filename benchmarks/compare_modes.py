@@ -149,21 +149,25 @@ def mean_std(values: list[float], digits: int) -> str:
 
 def markdown(results: dict[str, list[dict]], args: argparse.Namespace, argv: list[str]) -> str:
     seeds = " ".join(map(str, args.seeds))
+    config = Path(args.config).resolve()
+    config = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
     lines = [
         "# Mode comparison on the world",
         "",
         f"`{shlex.join(['python', 'benchmarks/compare_modes.py', *argv])}`",
         "",
-        f"Config `{args.config}`, seeds {seeds}, test metrics on the config's first test set; mean ± std over seeds "
+        f"Config `{config}`, seeds {seeds}, test metrics on the config's first test set; mean ± std over seeds "
         "(n/a: undefined in every run, e.g. no failed trajectory). Peak memory: each run's peak RSS (whole process); "
         "time: `trainer.fit` wall time (RL iterations + validations; the shared warm start is not included). "
-        "Step 0 of the dev-EM curves is the warm-started policy every variant of a seed starts from.",
+        "Step 0 of the dev-EM curves is the warm-started policy every variant of a seed starts from; "
+        "dev EM change: last validation minus step 0.",
         "",
-        "| mode | " + " | ".join(COLUMNS) + " | peak RSS (MB) | fit time (s) |",
-        "|---" * (len(COLUMNS) + 3) + "|",
+        "| mode | " + " | ".join(f"test {c}" for c in COLUMNS) + " | dev EM change | peak RSS (MB) | fit time (s) |",
+        "|---" * (len(COLUMNS) + 4) + "|",
     ]
     for variant, runs in results.items():
         cells = [mean_std([r[c] for r in runs], 3) for c in COLUMNS]
+        cells.append(mean_std([r["dev_curve"][-1][1] - r["dev_curve"][0][1] for r in runs], 3))
         cells += [mean_std([r["peak_rss_mb"] for r in runs], 0), mean_std([r["fit_s"] for r in runs], 0)]
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

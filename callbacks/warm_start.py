@@ -26,7 +26,8 @@ class WarmStart(L.Callback):
         source: QA source of the demonstrations (default: the datamodule's training set).
         seed: seeds which examples are used and the noise.
         evaluate: measure greedy EM on the validation sets before and after the warm start (printed and
-            logged as ``warmstart/{before,after}/<dataset>/em``), so the run shows what RL adds on top.
+            logged as ``warmstart/{before,after}/<dataset>/em``), so the run shows what RL adds on top; at the
+            end of ``fit`` one line per dataset sums up before / after the warm start / last validation.
         save_to: folder to save the warm-started policy in (peft layout; rank 0), so later runs can start
             from it with ``policy.adapter`` instead of repeating the warm start.
     """
@@ -103,3 +104,13 @@ class WarmStart(L.Callback):
             rank_zero_info(f"WarmStart: warm-started policy saved in {self.save_to}")
         if self.evaluate:
             self._evaluate(trainer, pl_module, "after")
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
+        """Print each validation set's EM before the warm start, after it, and at the last validation."""
+        for name, after in self.em.get("after", {}).items():
+            final = trainer.callback_metrics.get(f"val/{name}/em")
+            if final is not None:
+                rank_zero_info(
+                    f"WarmStart: {name} EM {self.em['before'][name]:.3f} before the warm start -> {after:.3f} after "
+                    f"it -> {float(final):.3f} after training (step {trainer.global_step})"
+                )

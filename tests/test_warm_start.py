@@ -1,5 +1,6 @@
 """Warm start: imperfect search demonstrations, the masked SFT loss, and the callback in a real fit."""
 
+import logging
 import random
 
 import pytest
@@ -70,10 +71,15 @@ def test_sft_loss_is_the_mean_nll_of_masked_tokens():
     assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
 
 
-def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path):
+def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path, caplog):
     warm = WarmStart(steps=6, batch_size=2, lr=1e-2, save_to=str(tmp_path / "adapter"))
-    cli = fit_tiny(tmp_path / "fit", "--trainer.max_steps=1", callbacks=(warm,))
+    with caplog.at_level(logging.INFO):
+        cli = fit_tiny(tmp_path / "fit", "--trainer.max_steps=1", "--trainer.val_check_interval=1", callbacks=(warm,))
     assert set(warm.em) == {"before", "after"} and set(warm.em["after"]) == {"world_dev"}
+    final = float(cli.trainer.callback_metrics["val/world_dev/em"])
+    summary = (f"world_dev EM {warm.em['before']['world_dev']:.3f} before the warm start -> "
+               f"{warm.em['after']['world_dev']:.3f} after it -> {final:.3f} after training (step 1)")
+    assert summary in caplog.text
     policy = cli.model.policy
     reloaded = Policy("tiny-llama", adapter=str(tmp_path / "adapter"))
     # the adapter was saved right after the warm start; one RL step has moved the live policy since

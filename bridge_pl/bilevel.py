@@ -42,6 +42,9 @@ class BilevelProblem(Protocol):
     def lower_loss(self, encoder: str, detach_teacher: bool = True) -> torch.Tensor:
         """G(θ, φ) for ``encoder="phi"`` or G(θ, ψ) for ``"psi"``; the teacher Q(θ) detached unless told."""
 
+    def refresh_teacher(self) -> None:
+        """Recompute the teacher Q(θ) of :meth:`lower_loss` with the current θ (after a policy step)."""
+
     def coupling_loss(self, lam: float) -> torch.Tensor:
         """A scalar whose θ-gradient is λ (∇θ G(θ, φ) − ∇θ G(θ, ψ)), using the same samples for both."""
 
@@ -170,18 +173,26 @@ class FrozenSolver(Solver):
 
 
 class PolicyFirstSolver(Solver):
-    """``policy_first``: a θ step, then φ steps on G."""
+    """``policy_first``: a θ step, then φ steps on G(θ_new, φ).
+
+    The teacher Q(θ) is recomputed after the θ step. Without that the two alternating orders would make
+    identical updates: on a fixed rollout batch the θ step does not depend on φ, and G would see the old θ.
+    """
 
     name = "policy_first"
 
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
         logs = self._policy_steps(problem, updates)
+        problem.refresh_teacher()
         logs.update(self._phi_steps_on_lower(problem, updates))
         return logs
 
 
 class RetrieverFirstSolver(Solver):
-    """``retriever_first``: φ steps on G, then a θ step (the order METHOD.md section 1 finds better)."""
+    """``retriever_first``: φ steps on G(θ, φ), then a θ step (the order METHOD.md section 1 finds better).
+
+    The θ step sees the new φ through the next iteration's rollouts (on a fixed batch F does not depend on φ).
+    """
 
     name = "retriever_first"
 

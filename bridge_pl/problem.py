@@ -227,6 +227,11 @@ class RLProblem:
         kl = lm_supervised_kl(logits, lm, 1.0, self.cfg.teacher_temperature, valid=valid, detach_teacher=detach_teacher)
         return kl.mean()
 
+    @torch.no_grad()
+    def refresh_teacher(self) -> None:
+        if self.lm_scores is not None:
+            self.lm_scores = self._lm_scores()
+
     def coupling_loss(self, lam: float) -> torch.Tensor:
         return sum(self.coupling_loss_parts(lam), torch.zeros((), device=self.batch.input_ids.device))
 

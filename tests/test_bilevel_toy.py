@@ -41,6 +41,9 @@ class ToyProblem:
         x = self.x.detach() if detach_teacher else self.x
         return self._g(x, y)
 
+    def refresh_teacher(self):
+        """The toy's teacher reads x when the loss is built; nothing is cached."""
+
     def coupling_loss(self, lam):
         return lam * (self._g(self.x, self.y.detach()) - self._g(self.x, self.z.detach()))
 

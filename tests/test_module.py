@@ -54,6 +54,16 @@ def test_each_mode_runs_and_trains_what_it_should(tmp_path, mode):
     assert [batch[0] for batch, _ in recorder.seen] == [0, 1]
 
 
+def test_policy_first_and_retriever_first_make_different_updates(tmp_path):
+    """policy_first recomputes the teacher Q(θ) after its θ step, so its φ step differs from retriever_first's."""
+    common = ("--trainer.limit_val_batches=0", "--trainer.max_steps=1", "--data.reward=plugins.DistinctWordsReward")
+    phi = {}
+    for mode in ("policy_first", "retriever_first"):
+        cli = fit_tiny(tmp_path / mode, *common, f"--model.mode={mode}")
+        phi[mode] = _query_encoder_state(cli.model)
+    assert any(not torch.equal(phi["policy_first"][k], phi["retriever_first"][k]) for k in phi["policy_first"])
+
+
 def test_retrieved_tokens_get_zero_gradient(tmp_path):
     cli = tiny_cli(tmp_path)
     module, data = cli.model, cli.datamodule

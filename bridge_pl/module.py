@@ -309,7 +309,7 @@ class BridgeModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Keep what trains (adapters, query encoders, value head, versions), drop frozen base weights."""
         trained = {n for n, p in self.named_parameters() if p.requires_grad}
-        buffers = {"policy_version", "retriever._update_count"}
+        buffers = {"policy_version", "retriever._update_count", "policy._extra_state"}  # + the KL reference
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trained | buffers}
         checkpoint["bridge"] = {
             "solver": self.solver.state_dict(),

@@ -44,7 +44,11 @@ class Policy(nn.Module):
             ``[B, chunk, V]`` logits held at once (chunks are recomputed in backward).
         gradient_checkpointing: trade compute for activation memory in the backbone.
         adapter: folder of a saved peft adapter to start from (e.g. one ``WarmStart(save_to=...)`` wrote);
-            its own LoRA settings replace ``lora_r``/``lora_alpha``/``lora_dropout``/``target_modules``.
+            its own LoRA settings replace ``lora_r``/``lora_alpha``/``lora_dropout``/``target_modules``, and
+            the loaded policy is the KL reference (see :meth:`rebase_reference`).
+
+    The KL reference is the policy RL starts from: the base model (adapter off) for a fresh adapter, or the
+    warm-started / loaded policy after :meth:`rebase_reference`.
     """
 
     def __init__(
@@ -81,7 +85,8 @@ class Policy(nn.Module):
         base = load_causal_lm(model, dtype=_DTYPES[dtype], **kwargs)
         if gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.reference: nn.Module | None = None
+        self.reference: nn.Module | None = None  # full fine-tuning: frozen copy of the reference weights
+        self.reference_adapter: dict[str, torch.Tensor] | None = None  # LoRA: reference adapter weights
         if lora:
             from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -91,6 +96,7 @@ class Policy(nn.Module):
                 base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=gradient_checkpointing)
             if adapter is not None:
                 self.model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
+                self.rebase_reference()
             else:
                 config = LoraConfig(
                     r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
@@ -135,16 +141,46 @@ class Policy(nn.Module):
 
         self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
 
+    def rebase_reference(self) -> None:
+        """Make the current policy the KL reference (RL starts here, e.g. after a warm start).
+
+        LoRA: the adapter weights are copied and swapped in while scoring under the reference (the copy is
+        adapter-sized and travels in checkpoints); full fine-tuning: the frozen copy takes the current weights.
+        """
+        if self.lora:
+            self.reference_adapter = {k: v.detach().clone() for k, v in self.trained_state_dict().items()}
+        elif self.reference is not None:
+            self.reference.load_state_dict(self.model.state_dict())
+
     @contextlib.contextmanager
     def reference_mode(self) -> Iterator[nn.Module]:
-        """Yield the reference policy: the adapter disabled (LoRA) or the frozen copy (full fine-tuning)."""
-        if self.lora:
+        """Yield the reference policy: the adapter disabled or swapped for the reference adapter (LoRA), or
+        the frozen copy (full fine-tuning). Use without grad: the LoRA swap writes the adapter in place."""
+        if self.lora and self.reference_adapter is None:
             with self.model.disable_adapter():
                 yield self.model
+        elif self.lora:
+            params = dict(self.model.named_parameters())
+            current = {k: params[k].detach().clone() for k in self.reference_adapter}
+            try:
+                with torch.no_grad():
+                    for k, v in self.reference_adapter.items():
+                        params[k].copy_(v)
+                yield self.model
+            finally:
+                with torch.no_grad():
+                    for k, v in current.items():
+                        params[k].copy_(v)
         elif self.reference is not None:
             yield self.reference
         else:
             raise RuntimeError("no reference policy: full fine-tuning without enable_reference_copy()")
+
+    def get_extra_state(self) -> dict:
+        return {"reference_adapter": self.reference_adapter}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.reference_adapter = state.get("reference_adapter")
 
     # ---- log-probs ------------------------------------------------------------------------------
     def forward(
@@ -191,7 +227,7 @@ class Policy(nn.Module):
     ) -> torch.Tensor:
         """``[B, T]`` log-probs without grad, ``micro_batch`` rows at a time (bounded memory).
 
-        ``reference=True`` scores under the reference policy (adapter off).
+        ``reference=True`` scores under the reference policy (:meth:`reference_mode`).
         """
         context = self.reference_mode() if reference else contextlib.nullcontext(None)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
@@ -202,7 +238,7 @@ class Policy(nn.Module):
         return out
 
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` log-probs under the reference policy (adapter off), without grad."""
+        """``[B, T]`` log-probs under the reference policy, without grad."""
         return self.logprobs(input_ids, attention_mask, reference=True)
 
     def sequence_loglik(self, sequences: list[tuple[list[int], list[int]]], batch_size: int = 32) -> torch.Tensor:

@@ -98,7 +98,9 @@ class WarmStart(L.Callback):
             if trainer.logger is not None:
                 trainer.logger.log_metrics({"warmstart/loss": loss.item()}, step=step)
         policy.train(was_training)
-        rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss.item():.3f})")
+        policy.rebase_reference()  # RL's KL term pulls towards the warm-started policy, not the base model
+        rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss.item():.3f}); "
+                       "the warm-started policy is the KL reference from here on")
         if self.save_to is not None and trainer.is_global_zero:
             policy.save_adapter(self.save_to)
             rank_zero_info(f"WarmStart: warm-started policy saved in {self.save_to}")

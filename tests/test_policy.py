@@ -72,3 +72,40 @@ def test_rollout_batch_masks_token_by_token():
     assert batch.search_candidates.tolist() == [[5, 2, 7]] and batch.search_order.tolist() == [[2, 0]]
     assert batch.shown_rows(0) == [7, 5] and batch.num_searches.tolist() == [1, 0]
     assert batch.group_ids.tolist() == [0, 1] and batch.search_logprob.tolist() == [-1.5]
+
+
+def test_rebased_reference_is_the_policy_at_that_moment_and_travels_in_the_state_dict():
+    policy = Policy("tiny-llama", lora_r=4)
+    ids = torch.randint(0, 1000, (2, 8))
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)  # "warm-started"
+    warm = policy.logprobs(ids, attn)
+    policy.rebase_reference()
+    assert torch.allclose(policy.reference_logprobs(ids, attn), warm, atol=1e-6)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.1)  # RL moves the policy; the reference stays
+    trained = {k: v.clone() for k, v in policy.trained_state_dict().items()}
+    assert torch.allclose(policy.reference_logprobs(ids, attn), warm, atol=1e-6)
+    assert not torch.allclose(policy.logprobs(ids, attn), warm, atol=1e-3)
+    assert all(torch.equal(v, policy.trained_state_dict()[k]) for k, v in trained.items())  # swapped back
+    fresh = Policy("tiny-llama", lora_r=4)
+    fresh.load_state_dict(policy.state_dict())
+    assert torch.allclose(fresh.reference_logprobs(ids, attn), warm, atol=1e-6)
+
+
+def test_policy_loaded_from_an_adapter_is_its_own_reference(tmp_path):
+    policy = Policy("tiny-llama", lora_r=4)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    policy.save_adapter(tmp_path / "adapter")
+    loaded = Policy("tiny-llama", adapter=str(tmp_path / "adapter"))
+    ids = torch.randint(0, 1000, (2, 8))
+    attn = torch.ones_like(ids)
+    assert torch.allclose(loaded.reference_logprobs(ids, attn), policy.logprobs(ids, attn), atol=1e-5)

@@ -81,6 +81,8 @@ def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path, caplog
                f"{warm.em['after']['world_dev']:.3f} after it -> {final:.3f} after training (step 1)")
     assert summary in caplog.text
     policy = cli.model.policy
+    assert policy.reference_adapter is not None  # RL's KL reference is the warm-started policy
+    assert set(policy.reference_adapter) == set(policy.trained_state_dict())
     reloaded = Policy("tiny-llama", adapter=str(tmp_path / "adapter"))
     # the adapter was saved right after the warm start; one RL step has moved the live policy since
     warm_state = reloaded.trained_state_dict()

@@ -174,14 +174,18 @@ def markdown(results: dict[str, list[dict]], args: argparse.Namespace, argv: lis
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
-    """Mean dev EM against the training step per variant, shaded ± std over seeds."""
+    """Mean dev EM against the training step per variant, ± std over seeds as error bars.
+
+    Variants are drawn slightly apart along x, so that identical curves stay visible.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for variant, runs in results.items():
+    fig, ax = plt.subplots(figsize=(7, 4))
+    shift = 0.04
+    for i, (variant, runs) in enumerate(results.items()):
         by_step: dict[int, list[float]] = {}
         for run in runs:
             for step, em in run["dev_curve"]:
@@ -189,12 +193,13 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         steps = sorted(by_step)
         means = [statistics.mean(by_step[s]) for s in steps]
         stds = [statistics.stdev(by_step[s]) if len(by_step[s]) > 1 else 0.0 for s in steps]
-        ax.plot(steps, means, marker="o", label=variant)
-        ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2)
+        x = [s + (i - (len(results) - 1) / 2) * shift for s in steps]
+        ax.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=variant)
+    ax.set_xticks(sorted({s for runs in results.values() for r in runs for s, _ in r["dev_curve"]}))
     ax.set_xlabel("RL iteration (0 = after the warm start)")
     ax.set_ylabel("dev EM")
-    ax.set_title("dev EM during training (mean ± std over seeds)")
-    ax.legend()
+    ax.set_title(f"dev EM during training (mean ± std over {max(len(r) for r in results.values())} seeds)")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -161,7 +161,8 @@ class CheckedLandscape(LossLandscape):
     """Asserts that each probe leaves parameters, buffers, train/eval flags and the global RNGs unchanged."""
 
     def run(self, trainer, pl_module):
-        state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+        state = {k: v.clone() for k, v in pl_module.state_dict().items() if isinstance(v, torch.Tensor)}  # not the
+        # policy's extra state (its KL-reference adapter, which no probe touches)
         flags = [m.training for m in pl_module.modules()]
         rngs = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
         results = super().run(trainer, pl_module)

@@ -1,120 +1,84 @@
-"""Rollout throughput: the KV-cache engine vs a naive re-encoding loop vs one single-turn ``generate``.
+"""Rollout throughput at a config's real shape: the KV-cache engine vs a naive re-encoding loop vs one ``generate``.
 
-On the same model and prompts (Search-R1-style instruction, greedy decoding):
+Everything is the config's (default ``configs/demo.yaml``), built as the CLI builds it (``BridgeCLI(run=False)``,
+no callback runs): the policy (SmolLM2-135M-Instruct + LoRA), the prompts (the first training batch of the seeded
+stream: ``data.batch_size`` questions, ``data.n_samples`` samples each, the data module's instruction and chat
+template), the rollout settings (``max_turns``, ``max_new_tokens_per_turn``, ``max_response_tokens``,
+``temperature``, ``top_p``: sampling, as in training) and the searches, which go through the module's retriever
+(``BridgeModule.retrieve``: K' dense candidates, a Plackett-Luce sample of top_k shown, as in training):
 
-- ``engine``: :class:`bridge_pl.rollout.RolloutEngine` (cache kept across turns, finished rows pruned);
-- ``naive``: the Search-R1 way: every turn calls ``model.generate`` on the full prefix (prompt + all previous
-  turns and observations re-encoded), with the same env, stop strings, search function and budgets;
-- ``single``: one ``model.generate`` call producing, per prompt, as many tokens as the engine sampled on
-  average (no turns, no env text): the cost floor of generating that many tokens.
+- ``engine``: :class:`bridge_pl.rollout.RolloutEngine` (prompt prefilled once per group, cache kept across turns,
+  finished rows pruned);
+- ``naive``: the Search-R1 way: every turn calls ``model.generate`` on the full prefix (prompt + all previous turns
+  and observations re-encoded), with the same env, stop strings, search function and budgets;
+- ``single``: one ``model.generate`` producing, per row, as many tokens as the engine sampled on average (no turns,
+  no env text): the floor for generating that many tokens.
 
-Tokens/s counts policy-sampled tokens only. Usage::
+Tokens/s counts policy-sampled tokens; the methods sample independently, so compare tokens/s, not token counts. An
+untrained policy searches little (the demo trains after ``WarmStart``); the output says how much it did. Timings
+need an otherwise idle machine. Usage::
 
-    python benchmarks/rollout_bench.py                       # smollm2-135m-instruct on CPU
-    python benchmarks/rollout_bench.py --model tiny-llama --prompts 16 --device cuda
+    python benchmarks/rollout_bench.py                                   # demo shapes, all cores
+    python benchmarks/rollout_bench.py --config tests/configs/tiny.yaml --threads 1 --data.n_samples=4
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+import warnings
+from pathlib import Path
 
 import torch
 
-from bridge_pl.data.qa import Passage
-from bridge_pl.models import load_causal_lm, load_tokenizer
-from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
+from bridge_pl.cli import BridgeCLI
+from bridge_pl.rollout import RolloutEngine, SearchEnv
 from bridge_pl.rollout.engine import StopMatcher, eos_token_ids
 
-INSTRUCTION = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
-    "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
-    "by <search> query </search> and it will return the top searched results between <information> and "
-    "</information>. You can search as many times as your want. If you find no further external knowledge "
-    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
-    "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
-)
-QUESTIONS = [
-    "Who wrote the novel Moby-Dick?", "What is the capital of Australia?", "When did the Berlin Wall fall?",
-    "Who painted the Mona Lisa?", "Which planet is known as the red planet?", "Who discovered penicillin?",
-    "What is the longest river in Africa?", "In which year did the Titanic sink?",
-]
-CORPUS = [
-    Passage(str(i), title, text) for i, (title, text) in enumerate([
-        ("Moby-Dick", "Moby-Dick is an 1851 novel by American writer Herman Melville about a whaling voyage."),
-        ("Canberra", "Canberra is the capital city of Australia, founded following the federation in 1901."),
-        ("Berlin Wall", "The Berlin Wall fell on 9 November 1989, ending the division of Berlin."),
-        ("Mona Lisa", "The Mona Lisa is a half-length portrait painting by Italian artist Leonardo da Vinci."),
-        ("Mars", "Mars is the fourth planet from the Sun, often called the Red Planet for its iron oxide dust."),
-        ("Penicillin", "Penicillin was discovered in 1928 by Scottish scientist Alexander Fleming."),
-    ])
-]
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def search_fn(queries: list[str]) -> list[SearchOutcome]:
-    """A deterministic stand-in retriever: word overlap with the corpus, top 3 shown of all candidates."""
-    outcomes = []
-    for q in queries:
-        words = set(q.lower().split())
-        ranked = sorted(range(len(CORPUS)), key=lambda r: -len(words & set(CORPUS[r].text.lower().split())))
-        outcomes.append(SearchOutcome(ranked, ranked[:3], 0.0, [CORPUS[r] for r in ranked[:3]]))
-    return outcomes
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r):] = torch.tensor(r)
+        attn[b, width - len(r):] = 1
+    return ids.to(device), attn.to(device)
 
 
-def build_prompts(tok, n: int) -> list[list[int]]:
-    prompts = []
-    for i in range(n):
-        text = INSTRUCTION.format(question=QUESTIONS[i % len(QUESTIONS)])
-        if tok.chat_template:
-            enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
-        else:
-            prompts.append(tok.encode(text))
-    return prompts
-
-
-def naive_rollout(model, tok, env: SearchEnv, engine: RolloutEngine, prompts, device) -> int:
-    """Search-R1-style loop: re-encode the whole prefix with ``model.generate`` every turn.
-
-    Same turn/stop/budget/env rules as the engine. Returns the number of policy-sampled tokens.
-    """
+def naive_rollout(model, tok, engine: RolloutEngine, rows: list[list[int]], search_fn, sampling: dict) -> int:
+    """Search-R1-style loop: ``model.generate`` on the whole prefix every turn. Returns the policy-sampled tokens."""
+    env = engine.env
     matcher = StopMatcher(tok, env.stop_strings, eos_token_ids(model, tok))
-    seqs = [list(p) for p in prompts]
-    response_len = [0] * len(prompts)
-    active = list(range(len(prompts)))
-    sampled = 0
+    device = next(model.parameters()).device
+    seqs, response_len = [list(r) for r in rows], [0] * len(rows)
+    active, sampled = list(range(len(rows))), 0
     for turn in range(1, engine.max_turns + 2):
-        budget = max(min(engine.max_new_tokens_per_turn, engine.max_response_tokens - response_len[i])
-                     for i in active)
-        width = max(len(seqs[i]) for i in active)
-        ids = torch.full((len(active), width), tok.pad_token_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for b, i in enumerate(active):
-            ids[b, width - len(seqs[i]):] = torch.tensor(seqs[i])
-            attn[b, width - len(seqs[i]):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=False,
-                             max_new_tokens=budget, stop_strings=list(env.stop_strings), tokenizer=tok,
-                             pad_token_id=tok.pad_token_id)
-        queries, still = [], []
+        limits = {i: min(engine.max_new_tokens_per_turn, engine.max_response_tokens - response_len[i]) for i in active}
+        ids, attn = left_pad([seqs[i] for i in active], tok.pad_token_id, device)
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max(limits.values()),
+                             stop_strings=list(env.stop_strings), tokenizer=tok, **sampling)
+        queries, going_on = [], []
         for b, i in enumerate(active):
             turn_ids: list[int] = []
-            limit = min(engine.max_new_tokens_per_turn, engine.max_response_tokens - response_len[i])
-            for token in out[b, width:].tolist():
+            for token in out[b, ids.shape[1]:].tolist():
                 turn_ids.append(token)
-                if len(turn_ids) >= limit or matcher.stops(turn_ids):
+                if len(turn_ids) >= limits[i] or matcher.stops(turn_ids):
                     break
             seqs[i] += turn_ids
             response_len[i] += len(turn_ids)
             sampled += len(turn_ids)
             action = env.parse_action(tok.decode(turn_ids))
-            if action.kind == "answer" or turn == engine.max_turns + 1:
-                continue
-            still.append((i, action))
-            if action.kind == "search":
-                queries.append(action.content)
+            if action.kind != "answer" and turn <= engine.max_turns:
+                going_on.append((i, action))
+                if action.kind == "search":
+                    queries.append(action.content)
         outcomes = iter(search_fn(queries) if queries else [])
         active = []
-        for i, action in still:
+        for i, action in going_on:
             passages = next(outcomes).passages if action.kind == "search" else None
             reply = tok.encode(env.reply(action, passages, turn == engine.max_turns), add_special_tokens=False)
             if response_len[i] + len(reply) < engine.max_response_tokens:
@@ -126,22 +90,7 @@ def naive_rollout(model, tok, env: SearchEnv, engine: RolloutEngine, prompts, de
     return sampled
 
 
-def single_turn(model, tok, prompts, new_tokens: int, device) -> int:
-    """One left-padded ``generate`` call, exactly ``new_tokens`` tokens per prompt."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        attn[b, width - len(p):] = 1
-    model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=False,
-                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
-    return new_tokens * len(prompts)
-
-
 def timed(fn):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
     start = time.perf_counter()
     result = fn()
     if torch.cuda.is_available():
@@ -150,44 +99,59 @@ def timed(fn):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name, e.g. tiny-llama")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-turns", type=int, default=2)
-    parser.add_argument("--tokens-per-turn", type=int, default=64)
-    parser.add_argument("--max-response-tokens", type=int, default=1024)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1 avoids oversubscription)")
-    args = parser.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Other arguments (--data.x=..., --model.x=...) override the config.")
+    parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"))
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="default: all cores")
+    args, overrides = parser.parse_known_args()
 
     torch.set_num_threads(args.threads)
-    tok = load_tokenizer(args.model)
-    model = load_causal_lm(args.model).to(args.device).eval()
-    env = SearchEnv(EnvConfig(), tok)
-    engine = RolloutEngine(env, max_turns=args.max_turns, max_new_tokens_per_turn=args.tokens_per_turn,
-                           max_response_tokens=args.max_response_tokens)
-    prompts = build_prompts(tok, args.prompts)
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false", *overrides], run=False)
+    module, data = cli.model, cli.datamodule
+    data.trainer = cli.trainer
+    module.setup("fit")
+    policy, tok = module.policy, module.policy.tokenizer
+    model = policy.model.eval()
+    settings = data.engine_args
+    engine = RolloutEngine(SearchEnv(data.env_config, tok), **settings)
+    examples = next(iter(data.train_dataloader()))
+    prompts = [data.prompt_ids(tok, ex.question) for ex in examples]
+    n = data.n_samples
+    gen = torch.Generator(device=module.device).manual_seed(data.seed)
 
-    engine.generate(model, tok, prompts[:2], search_fn, greedy=True)  # warm-up (and the stop-token table)
-    trajs, t_engine = timed(lambda: engine.generate(model, tok, prompts, search_fn, greedy=True))
+    def search_fn(queries):
+        return module.retrieve(queries, stochastic=True, generator=gen)
+
+    engine.generate(model, tok, prompts[:1], search_fn, greedy=True)  # warm-up (and the stop-token table)
+    trajs, t_engine = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
     n_engine = sum(sum(t.action_mask) for t in trajs)
+    rows = [p for p in prompts for _ in range(n)]
+    sampling = {"do_sample": True, "temperature": settings["temperature"], "top_p": settings["top_p"],
+                "pad_token_id": tok.pad_token_id}
+    torch.manual_seed(data.seed)
     with torch.no_grad():
-        n_naive, t_naive = timed(lambda: naive_rollout(model, tok, env, engine, prompts, args.device))
-        per_prompt = max(1, round(n_engine / len(prompts)))
-        n_single, t_single = timed(lambda: single_turn(model, tok, prompts, per_prompt, args.device))
+        n_naive, t_naive = timed(lambda: naive_rollout(model, tok, engine, rows, search_fn, sampling))
+        per_row = max(1, round(n_engine / len(trajs)))
+        ids, attn = left_pad(rows, tok.pad_token_id, module.device)
+        _, t_single = timed(lambda: model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=per_row,
+                                                   min_new_tokens=per_row, **sampling))
+    n_single = per_row * len(rows)
 
     turns = sum(t.turns for t in trajs) / len(trajs)
-    searches = sum(len(t.searches) for t in trajs) / len(trajs)
+    n_searches = sum(len(t.searches) for t in trajs) / len(trajs)
     env_tokens = sum(len(t.action_mask) - sum(t.action_mask) for t in trajs) / len(trajs)
-    print(f"model={args.model} device={args.device} threads={args.threads} prompts={len(prompts)} "
-          f"max_turns={args.max_turns} tokens/turn<={args.tokens_per_turn}")
-    print(f"engine rollouts: {turns:.2f} turns, {searches:.2f} searches, {n_engine / len(trajs):.1f} sampled "
-          f"+ {env_tokens:.1f} env tokens per trajectory")
-    rows = [("engine (KV cache)", n_engine, t_engine), ("naive (re-encode)", n_naive, t_naive),
-            ("single-turn generate", n_single, t_single)]
+    print(f"{Path(args.config).name}: policy {policy.name} ({str(policy.weight_dtype).replace('torch.', '')}), "
+          f"retriever {type(module.retriever).__name__}, threads={args.threads}, {len(prompts)} prompts x {n} samples, "
+          f"max_turns={settings['max_turns']}, tokens/turn<={settings['max_new_tokens_per_turn']}, "
+          f"response<={settings['max_response_tokens']}, temperature={settings['temperature']}")
+    print(f"engine rollouts: {turns:.2f} turns, {n_searches:.2f} searches, {n_engine / len(trajs):.1f} sampled "
+          f"+ {env_tokens:.1f} env tokens per trajectory (load average {os.getloadavg()[0]:.2f}; timings need an "
+          "idle machine)")
     print(f"{'method':<22}{'tokens':>8}{'seconds':>10}{'tokens/s':>11}{'vs engine':>11}")
-    for name, n, t in rows:
-        print(f"{name:<22}{n:>8}{t:>10.2f}{n / t:>11.1f}{(n / t) / (n_engine / t_engine):>10.2f}x")
+    for name, count, t in [("engine (KV cache)", n_engine, t_engine), ("naive (re-encode)", n_naive, t_naive),
+                           ("single-turn generate", n_single, t_single)]:
+        print(f"{name:<22}{count:>8}{t:>10.2f}{count / t:>11.1f}{(count / t) / (n_engine / t_engine):>10.2f}x")
 
 
 if __name__ == "__main__":

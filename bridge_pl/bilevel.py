@@ -30,6 +30,10 @@ class BilevelProblem(Protocol):
     def phi_parameters(self) -> list[torch.Tensor]:
         """φ (the query encoder in use)."""
 
+    def has_policy_signal(self) -> bool:
+        """Whether F has a reward signal for θ (GRPO: some group's rewards differ). Without one, the θ gradient
+        is only penalty/coupling noise, which an adaptive optimizer would blow up into a full-size step."""
+
     def policy_loss(self) -> torch.Tensor:
         """F as a function of θ (clipped surrogate + penalties)."""
 
@@ -126,6 +130,7 @@ class Solver(ABC):
     name: str = ""
     trains_retriever: bool = True
     needs_psi: bool = False
+    uses_coupling: bool = False  # the θ step backpropagates through the LM-credit scores
 
     def __init__(self, phi_steps: int = 1, psi_steps: int = 1, policy_epochs: int = 1) -> None:
         self.phi_steps = phi_steps
@@ -137,8 +142,14 @@ class Solver(ABC):
         """Run one iteration; returns scalars to log."""
 
     def _policy_steps(self, problem: BilevelProblem, updates: Updates, extra=None) -> dict[str, float]:
-        """``policy_epochs`` steps on F (+ ``extra()``: more loss terms, e.g. the coupling parts)."""
-        logs: dict[str, float] = {}
+        """``policy_epochs`` steps on F (+ ``extra()``: more loss terms, e.g. the coupling parts).
+
+        Skipped (``policy/skipped`` = 1) when F has no reward signal for θ.
+        """
+        logs: dict[str, float] = {"policy/skipped": 0.0}
+        if not problem.has_policy_signal():
+            logs["policy/skipped"] = 1.0
+            return logs
         for _ in range(self.policy_epochs):
             parts = problem.policy_loss_parts()
             if extra is not None:
@@ -228,6 +239,7 @@ class BridgeSolver(Solver):
 
     name = "bridge"
     needs_psi = True
+    uses_coupling = True
 
     def __init__(
         self,

@@ -1,15 +1,21 @@
 """The policy: a Hugging Face causal LM + tokenizer, LoRA by default, with masked per-token log-probs.
 
-The reference policy for the KL penalty is the same weights with the LoRA adapter disabled, so no
-second model copy is held. Full fine-tuning is available (then a frozen reference copy is kept only when
-a KL penalty is used). 4-bit QLoRA (bitsandbytes) is available on CUDA.
+The reference policy for the KL penalty is the policy RL starts from: the base weights with the LoRA adapter
+disabled, or a snapshot of a warm-started adapter, so no second model copy is held. Full fine-tuning is
+available (then a frozen reference copy is kept only when a KL penalty is used). 4-bit QLoRA (bitsandbytes) is
+available on CUDA.
+
+Cost discipline (docs/method.md, "What one iteration computes"): the LM head runs only on the positions whose
+log-prob is asked for, entropy is a no-grad diagnostic, and candidates that share a context are scored in one
+packed row (:meth:`Policy.branch_loglik`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -20,14 +26,51 @@ from bridge_pl.models import load_causal_lm, load_tokenizer
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _chunk_token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float):
-    """log softmax(head(hidden)/T) gathered at ``targets``, plus the entropy. Shapes [B, C, H] -> [B, C]."""
+def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float) -> torch.Tensor:
+    """log softmax(head(hidden)/T) gathered at ``targets``: ``[N, H], [N] -> [N]`` (float32)."""
+    logits = head(hidden).float() / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _token_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float) -> torch.Tensor:
+    """Entropy (nats) of softmax(head(hidden)/T): ``[N, H] -> [N]`` (float32)."""
     logits = head(hidden).float() / temperature
     logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    probs = torch.softmax(logits, dim=-1)
-    entropy = logz - (probs * logits).sum(-1)
-    return logp, entropy
+    return logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def bf16_supported() -> bool:
+    """Whether bfloat16 matrix work is native here: a CUDA GPU with bf16, or a CPU with AVX512-BF16/AMX."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto`` -> bfloat16 where :func:`bf16_supported`, else float32; other names map directly."""
+    if name == "auto":
+        return torch.bfloat16 if bf16_supported() else torch.float32
+    return _DTYPES[name]
+
+
+class BranchedSequence(NamedTuple):
+    """One shared prefix continued by several alternative branches, each followed by the same target.
+
+    ``prefix`` ids, ``branches`` (one id list per alternative), ``target`` ids (the scored tokens). Scored as
+    one packed row: each branch attends to the prefix and to itself only (see :meth:`Policy.branch_loglik`).
+    """
+
+    prefix: list[int]
+    branches: list[list[int]]
+    target: list[int]
+
+    @property
+    def length(self) -> int:
+        return len(self.prefix) + sum(len(b) + len(self.target) for b in self.branches)
 
 
 class Policy(nn.Module):
@@ -39,9 +82,11 @@ class Policy(nn.Module):
         lora_r, lora_alpha, lora_dropout, target_modules: peft LoRA settings
             (``target_modules="all-linear"`` or a list of module names).
         load_in_4bit: QLoRA: load the base weights in 4-bit NF4 (bitsandbytes, CUDA only).
-        dtype: ``float32`` | ``bfloat16`` | ``float16`` for the base weights.
-        logprob_chunk: time steps per chunk when turning hidden states into log-probs; bounds the
-            ``[B, chunk, V]`` logits held at once (chunks are recomputed in backward).
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` for the base weights; ``auto`` (default) is
+            bfloat16 where the hardware has native bf16 (CUDA, CPUs with AVX512-BF16/AMX), else float32. LoRA
+            weights stay float32 and log-probs are computed in float32.
+        logprob_chunk: scored tokens per chunk when turning hidden states into log-probs; bounds the
+            ``[chunk, V]`` logits held at once (chunks are recomputed in backward).
         gradient_checkpointing: trade compute for activation memory in the backbone.
         adapter: folder of a saved peft adapter to start from (e.g. one ``WarmStart(save_to=...)`` wrote);
             its own LoRA settings replace ``lora_r``/``lora_alpha``/``lora_dropout``/``target_modules``, and
@@ -60,14 +105,14 @@ class Policy(nn.Module):
         lora_dropout: float = 0.0,
         target_modules: str | list[str] = "all-linear",
         load_in_4bit: bool = False,
-        dtype: str = "float32",
-        logprob_chunk: int = 64,
+        dtype: str = "auto",
+        logprob_chunk: int = 1024,
         gradient_checkpointing: bool = False,
         adapter: str | None = None,
     ) -> None:
         super().__init__()
-        if dtype not in _DTYPES:
-            raise ValueError(f"policy.dtype must be one of {sorted(_DTYPES)}, got '{dtype}'")
+        if dtype != "auto" and dtype not in _DTYPES:
+            raise ValueError(f"policy.dtype must be 'auto' or one of {sorted(_DTYPES)}, got '{dtype}'")
         if load_in_4bit and not lora:
             raise ValueError("policy.load_in_4bit=True needs policy.lora=True (QLoRA trains adapters only)")
         if adapter is not None and not lora:
@@ -79,10 +124,11 @@ class Policy(nn.Module):
         self.lora = lora
         self.logprob_chunk = logprob_chunk
         self.tokenizer = load_tokenizer(model)
+        self.weight_dtype = resolve_dtype(dtype)
         kwargs = {}
         if load_in_4bit:
-            kwargs = self._quantization_kwargs(_DTYPES[dtype])
-        base = load_causal_lm(model, dtype=_DTYPES[dtype], **kwargs)
+            kwargs = self._quantization_kwargs(self.weight_dtype)
+        base = load_causal_lm(model, dtype=self.weight_dtype, **kwargs)
         if gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference: nn.Module | None = None  # full fine-tuning: frozen copy of the reference weights
@@ -152,6 +198,18 @@ class Policy(nn.Module):
         elif self.reference is not None:
             self.reference.load_state_dict(self.model.state_dict())
 
+    @torch.no_grad()
+    def reference_is_current(self) -> bool:
+        """Whether the reference policy computes exactly what the current policy does (so its pass can be
+        skipped): LoRA with the reference snapshot equal to the adapter, or a fresh adapter whose B matrices
+        are all zero (adapter off == adapter on). Full fine-tuning: False (not checked)."""
+        if not self.lora:
+            return False
+        params = dict(self.model.named_parameters())
+        if self.reference_adapter is not None:
+            return all(torch.equal(params[k], v.to(params[k].device)) for k, v in self.reference_adapter.items())
+        return all(not bool(p.any()) for name, p in params.items() if "lora_B" in name)
+
     @contextlib.contextmanager
     def reference_mode(self) -> Iterator[nn.Module]:
         """Yield the reference policy: the adapter disabled or swapped for the reference adapter (LoRA), or
@@ -189,81 +247,146 @@ class Policy(nn.Module):
         attention_mask: torch.Tensor,
         temperature: float = 1.0,
         model: nn.Module | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        score_mask: torch.Tensor | None = None,
+        entropy: bool = False,
+        position_ids: torch.Tensor | None = None,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Per-token log-probs of ``input_ids`` under the policy (or ``model``, e.g. the reference).
 
         Args:
-            input_ids, attention_mask: ``[B, T]`` right- or left-padded.
+            input_ids: ``[B, T]``, right- or left-padded.
+            attention_mask: ``[B, T]`` 0/1, or a ready ``[B, 1, T, T]`` bool mask (True = may attend; then
+                ``position_ids`` must be given).
+            score_mask: ``[B, T]``: the positions whose log-prob is wanted (default: every real token after the
+                first). The LM head runs only there; elsewhere the result is 0.
+            entropy: also return the entropy of the distribution that produced each scored token; a no-grad
+                diagnostic unless ``entropy_grad`` (an entropy bonus in the loss).
+            position_ids: ``[B, T]``; default ``cumsum(attention_mask) - 1``.
         Returns:
-            logp ``[B, T]``: ``logp[:, t] = log π(input_ids[:, t] | input_ids[:, :t])``; ``logp[:, 0] = 0``.
-            entropy ``[B, T]``: entropy of the distribution that produced token t (0 at t=0).
+            logp ``[B, T]`` float32: ``logp[:, t] = log π(input_ids[:, t] | input_ids[:, :t])`` where scored.
+            entropy ``[B, T]`` float32 where scored (None unless ``entropy``).
             hidden ``[B, T, H]``: last hidden states (for a value head).
         """
         model = self.model if model is None else model
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         backbone = getattr(hf, hf.base_model_prefix)
         head = hf.get_output_embeddings()
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        B, T = input_ids.shape
-        logp = hidden.new_zeros(B, T, dtype=torch.float32)
-        entropy = hidden.new_zeros(B, T, dtype=torch.float32)
-        for start in range(0, T - 1, self.logprob_chunk):
-            end = min(start + self.logprob_chunk, T - 1)
-            h, tgt = hidden[:, start:end], input_ids[:, start + 1 : end + 1]
-            if torch.is_grad_enabled() and hidden.requires_grad:
-                lp, ent = checkpoint(_chunk_token_logprobs, h, tgt, head, temperature, use_reentrant=False)
+        if score_mask is None:
+            real = attention_mask.bool() if attention_mask.dim() == 2 else torch.ones_like(input_ids, dtype=torch.bool)
+            score_mask = real
+        score_mask = score_mask.bool().clone()
+        score_mask[:, 0] = False  # the first token has no context
+        rows, cols = score_mask.nonzero(as_tuple=True)
+        states, targets = hidden[rows, cols - 1], input_ids[rows, cols]
+        logp_flat, ent_flat = [], []
+        differentiable = torch.is_grad_enabled() and hidden.requires_grad
+        for start in range(0, len(targets), self.logprob_chunk):
+            h, tgt = states[start : start + self.logprob_chunk], targets[start : start + self.logprob_chunk]
+            if differentiable:  # the [chunk, V] logits are recomputed in backward instead of kept
+                logp_flat.append(checkpoint(_token_logprobs, h, tgt, head, temperature, use_reentrant=False))
             else:
-                lp, ent = _chunk_token_logprobs(h, tgt, head, temperature)
-            logp[:, start + 1 : end + 1] = lp
-            entropy[:, start + 1 : end + 1] = ent
-        return logp, entropy, hidden
+                logp_flat.append(_token_logprobs(h, tgt, head, temperature))
+            if entropy and entropy_grad and differentiable:
+                ent_flat.append(checkpoint(_token_entropy, h, head, temperature, use_reentrant=False))
+            elif entropy:
+                with torch.no_grad():
+                    ent_flat.append(_token_entropy(h, head, temperature))
+        logp = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
+        if logp_flat:
+            logp = logp.index_put((rows, cols), torch.cat(logp_flat))
+        ent = None
+        if entropy:
+            ent = logp.new_zeros(input_ids.shape)
+            if ent_flat:
+                ent = ent.index_put((rows, cols), torch.cat(ent_flat))
+        return logp, ent, hidden
 
     @torch.no_grad()
     def logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, micro_batch: int = 8, reference: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        micro_batch: int = 8,
+        reference: bool = False,
+        score_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, T]`` log-probs without grad, ``micro_batch`` rows at a time (bounded memory).
 
-        ``reference=True`` scores under the reference policy (:meth:`reference_mode`).
+        ``reference=True`` scores under the reference policy (:meth:`reference_mode`); ``score_mask`` as in
+        :meth:`forward`.
         """
         context = self.reference_mode() if reference else contextlib.nullcontext(None)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with context as model:
             for start in range(0, input_ids.shape[0], micro_batch):
                 rows = slice(start, start + micro_batch)
-                out[rows] = self(input_ids[rows], attention_mask[rows], model=model)[0]
+                mask = None if score_mask is None else score_mask[rows]
+                out[rows] = self(input_ids[rows], attention_mask[rows], model=model, score_mask=mask)[0]
         return out
 
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` log-probs under the reference policy, without grad."""
         return self.logprobs(input_ids, attention_mask, reference=True)
 
-    def sequence_loglik(self, sequences: list[tuple[list[int], list[int]]], batch_size: int = 32) -> torch.Tensor:
-        """Mean log-prob of each target given its context: ``[N]`` for N (context_ids, target_ids) pairs.
+    def branch_loglik(self, sequences: Sequence[BranchedSequence], token_budget: int = 4096) -> torch.Tensor:
+        """Mean log-prob of the target after each branch: ``[N, K]`` for N sequences of K branches each.
 
-        Differentiable when grad is enabled (used for ℓ_θ(d) of METHOD.md section 2).
+        Each sequence is packed into one row ``prefix, branch_1 + target, ..., branch_K + target``; a 4-D
+        attention mask lets each branch see the prefix and itself only, and its positions continue the prefix,
+        so every branch is scored exactly as ``prefix + branch + target`` would be on its own, while the prefix
+        is computed once. Rows are grouped so that rows x padded length <= ``token_budget``. Differentiable when
+        grad is enabled (ℓ_θ of docs/method.md, section 2).
         """
         device = next(self.model.parameters()).device
-        pad = self.tokenizer.pad_token_id
+        if not sequences:
+            return torch.zeros(0, 0, device=device)
+        K = len(sequences[0].branches)
+        if any(len(seq.branches) != K for seq in sequences):
+            raise ValueError("Policy.branch_loglik: every sequence needs the same number of branches")
         out = []
-        for i in range(0, len(sequences), batch_size):
-            chunk = sequences[i : i + batch_size]
-            T = max(len(c) + len(t) for c, t in chunk)
-            ids = torch.full((len(chunk), T), pad, dtype=torch.long)
-            attn = torch.zeros(len(chunk), T, dtype=torch.long)
-            tmask = torch.zeros(len(chunk), T)
-            for r, (ctx, tgt) in enumerate(chunk):
-                n = len(ctx) + len(tgt)
-                ids[r, :n] = torch.tensor(ctx + tgt)
-                attn[r, :n] = 1
-                tmask[r, len(ctx) : n] = 1
-            ids, attn, tmask = ids.to(device), attn.to(device), tmask.to(device)
-            logp = self(ids, attn)[0]
-            out.append((logp * tmask).sum(-1) / tmask.sum(-1).clamp(min=1))
-        return torch.cat(out) if out else torch.zeros(0, device=device)
+        for group in budget_groups([seq.length for seq in sequences], token_budget):
+            out.append(self._branch_loglik_rows([sequences[i] for i in group], K, device))
+        return torch.cat(out)
+
+    def _branch_loglik_rows(self, rows: list[BranchedSequence], K: int, device) -> torch.Tensor:
+        T = max(seq.length for seq in rows)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(rows), T), pad, dtype=torch.long)
+        positions = torch.zeros(len(rows), T, dtype=torch.long)
+        segment = torch.full((len(rows), T), -1, dtype=torch.long)  # -1 prefix, k branch k, -2 padding
+        score = torch.zeros(len(rows), T, dtype=torch.bool)
+        for r, seq in enumerate(rows):
+            P = len(seq.prefix)
+            ids[r, :P] = torch.tensor(seq.prefix)
+            positions[r, :P] = torch.arange(P)
+            start = P
+            for k, branch in enumerate(seq.branches):
+                tokens = branch + seq.target
+                end = start + len(tokens)
+                ids[r, start:end] = torch.tensor(tokens)
+                positions[r, start:end] = torch.arange(P, P + len(tokens))
+                segment[r, start:end] = k
+                score[r, end - len(seq.target) : end] = True
+                start = end
+            segment[r, start:] = -2
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        q, kv = segment[:, :, None], segment[:, None, :]
+        attend = causal & ((kv == -1) | (q == kv)) & (q != -2)
+        attend |= torch.eye(T, dtype=torch.bool)  # padding attends to itself: no empty softmax rows (NaN)
+        ids, positions, score = ids.to(device), positions.to(device), score.to(device)
+        logp = self(ids, attend[:, None].to(device), score_mask=score, position_ids=positions)[0]
+        per_branch = torch.zeros(len(rows), K, device=device)
+        counts = torch.zeros(len(rows), K, device=device)
+        seg = segment.to(device).clamp(min=0)
+        per_branch = per_branch.scatter_add(1, seg, logp * score)
+        counts = counts.scatter_add(1, seg, score.float())
+        return per_branch / counts.clamp(min=1)
 
     # ---- persistence ----------------------------------------------------------------------------
     def save_adapter(self, path: str | Path) -> None:
@@ -275,3 +398,17 @@ class Policy(nn.Module):
         """Only what trains (adapters, or all weights for full fine-tuning): what a checkpoint holds."""
         names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         return {k: v for k, v in self.model.state_dict().items() if k in names}
+
+
+def budget_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Consecutive index groups whose (rows x longest length) stays within ``token_budget`` (>= 1 row each)."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if groups and max(longest, n) * (len(groups[-1]) + 1) <= token_budget:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups

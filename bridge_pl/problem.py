@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from bridge_pl import rl
-from bridge_pl.policy import Policy
+from bridge_pl.policy import Policy, budget_groups
 from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.credit import coupling_weights, lm_supervised_kl, plackett_luce_logprob
+from bridge_pl.retrieval.dense import eval_mode
 from bridge_pl.rollout.batch import RolloutBatch
 
 
@@ -36,8 +37,8 @@ class RLConfig:
         retrieval_temperature: τ_r of P_φ = softmax(score / τ_r) (sampling and G).
         teacher_temperature: β of Q_θ = softmax(ℓ_θ / β).
         mask_observations: False is the ablation that trains on retrieved tokens too.
-        micro_batch_size: trajectories per forward/backward in the policy update (gradient accumulation;
-            the result equals the full-batch loss), and LM-credit sequences per forward/backward.
+        micro_batch_tokens: token budget (rows x padded length) of one forward/backward in the policy update
+            (gradient accumulation; the result equals the full-batch loss) and in LM-credit scoring.
     """
 
     algorithm: str = "grpo"
@@ -56,7 +57,7 @@ class RLConfig:
     retrieval_temperature: float = 0.1
     teacher_temperature: float = 1.0
     mask_observations: bool = True
-    micro_batch_size: int = 8
+    micro_batch_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("grpo", "ppo"):
@@ -70,6 +71,12 @@ class RLConfig:
 class RLProblem:
     """Losses of one batch. Quantities that do not change during the iteration are computed once here.
 
+    What is computed once (docs/method.md, "What one iteration computes"): advantages; the reference
+    log-probs (skipped when the reference is the current policy or ``kl_coef == 0``); the LM-credit scores
+    ℓ_θ (with their graph kept when ``keep_credit_graph``, so the coupling backward reuses that forward); the
+    log-probs of the shown passage lists under φ at the start of the iteration. π_old's log-probs are the
+    first policy forward of each micro-batch, detached, kept for later epochs.
+
     Args:
         policy: π_θ.
         retriever: the retriever (its ``query_encoder`` is φ).
@@ -77,6 +84,11 @@ class RLProblem:
         value_head: the PPO critic head, else None.
         batch: the rollout batch (on the module's device).
         config: loss settings.
+        keep_credit_graph: compute ℓ_θ with grad and keep its graph for :meth:`coupling_loss_parts`.
+        old_logprobs: ``[B, T]`` π_old on the loss tokens, when it is not the current policy (e.g. a landscape
+            probe evaluating F away from the weights that generated the batch); default: the first forward.
+        ref_logprobs: ``[B, T]`` reference log-probs on the loss tokens, precomputed (same use); default: a
+            reference pass, skipped when the reference is the current policy.
     """
 
     def __init__(
@@ -87,20 +99,34 @@ class RLProblem:
         value_head: nn.Module | None,
         batch: RolloutBatch,
         config: RLConfig,
+        keep_credit_graph: bool = False,
+        old_logprobs: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
     ) -> None:
         self.policy, self.retriever, self.psi, self.value_head = policy, retriever, psi, value_head
         self.batch, self.cfg = batch, config
         self.stats: dict[str, float] = {}
         # The loss mask: policy tokens only, unless the ablation also trains on observations.
         self.mask = batch.action_mask if config.mask_observations else self._all_response_tokens()
+        lengths = batch.attention_mask.sum(-1).tolist()
+        self._row_groups = [slice(g[0], g[-1] + 1) for g in budget_groups(lengths, config.micro_batch_tokens)]
+        self._old_logprobs: dict[int, torch.Tensor] = {}  # micro-batch start row -> π_old log-probs [b, T_b]
+        if old_logprobs is not None:
+            self._old_logprobs = {rows.start: old_logprobs[self._cols(rows)] for rows in self._row_groups}
         with torch.no_grad():
-            self.ref_logprobs = (
-                policy.logprobs(batch.input_ids, batch.attention_mask, config.micro_batch_size, reference=True)
-                if config.kl_coef > 0
-                else None
-            )
+            self.ref_logprobs = ref_logprobs if ref_logprobs is not None else self._reference_logprobs()
             self.seq_advantages, self.advantages, self.old_values, self.returns = self._advantages()
-            self.lm_scores = self._lm_scores() if batch.credit_searches.numel() else None
+            searched = batch.search_traj.numel() > 0
+            self._shown_logprob_old = self._shown_logprob() if searched and self.phi_parameters() else None
+        self.lm_scores: torch.Tensor | None = None
+        self._credit_graph: torch.Tensor | None = None
+        if batch.credit_searches.numel():
+            if keep_credit_graph:
+                self._credit_graph = self._lm_scores()
+                self.lm_scores = self._credit_graph.detach()
+            else:
+                with torch.no_grad():
+                    self.lm_scores = self._lm_scores()
 
     # ---- precomputation -------------------------------------------------------------------------
     def _all_response_tokens(self) -> torch.Tensor:
@@ -110,15 +136,45 @@ class RLProblem:
         after_prompt = (positions >= first) & self.batch.action_mask.any(-1, keepdim=True)
         return (after_prompt & self.batch.attention_mask.bool()).float()
 
+    def _cols(self, rows: slice) -> tuple[slice, slice]:
+        """``rows`` with the trailing padding they all share trimmed."""
+        return rows, slice(0, int(self.batch.attention_mask[rows].sum(-1).max()))
+
+    def _reference_logprobs(self) -> torch.Tensor | None:
+        """``[B, T]`` reference log-probs on the loss tokens; None when the KL term is off or would be 0."""
+        if self.cfg.kl_coef == 0 or self.policy.reference_is_current():
+            return None
+        batch, out = self.batch, torch.zeros_like(self.mask)
+        with self.policy.reference_mode() as model:
+            for rows in self._row_groups:
+                cols = self._cols(rows)
+                out[cols] = self.policy(batch.input_ids[cols], batch.attention_mask[cols], model=model,
+                                        score_mask=self.mask[cols])[0]
+        return out
+
+    @torch.no_grad()
+    def old_logprobs(self) -> torch.Tensor:
+        """``[B, T]`` π_old on the loss tokens (0 elsewhere); micro-batches not yet seen get a no-grad forward."""
+        batch, out = self.batch, torch.zeros_like(self.mask)
+        for rows in self._row_groups:
+            cols = self._cols(rows)
+            if rows.start not in self._old_logprobs:
+                self._old_logprobs[rows.start] = self.policy(
+                    batch.input_ids[cols], batch.attention_mask[cols], score_mask=self.mask[cols]
+                )[0]
+            out[cols] = self._old_logprobs[rows.start]
+        return out
+
     def _advantages(self):
         batch, cfg = self.batch, self.cfg
         if cfg.algorithm == "grpo":
             seq = rl.grpo_advantages(batch.rewards, batch.group_ids, scale_by_std=cfg.scale_by_std)
             return seq, rl.broadcast_to_tokens(seq, self.mask), None, None
         values = torch.zeros_like(self.mask)
-        for rows in self._row_slices():
-            hidden = self.policy(batch.input_ids[rows], batch.attention_mask[rows])[2]
-            values[rows] = self.value_head(hidden.float()).squeeze(-1)
+        for rows in self._row_groups:
+            cols = self._cols(rows)
+            hidden = self.policy(batch.input_ids[cols], batch.attention_mask[cols], score_mask=self.mask[cols])[2]
+            values[cols] = self.value_head(hidden.float()).squeeze(-1)
         token_rewards = torch.zeros_like(self.mask)
         last = (self.mask * torch.arange(self.mask.shape[1], device=self.mask.device)).argmax(-1)
         token_rewards[torch.arange(len(last)), last] = batch.rewards
@@ -128,14 +184,35 @@ class RLProblem:
         return seq, adv, values, returns
 
     def _lm_scores(self) -> torch.Tensor:
-        """ℓ_θ(d) ``[S', K']``: mean log-prob of the gold answer with only candidate d retrieved."""
-        batch = self.batch
-        S, K = batch.credit_searches.numel(), batch.search_candidates.shape[1]
-        return self.policy.sequence_loglik(batch.credit_sequences, self.cfg.micro_batch_size).view(S, K)
+        """ℓ_θ(d) ``[S', K']``: mean log-prob of the gold answer tokens with only candidate d retrieved."""
+        return self.policy.branch_loglik(self.batch.credit_sequences, self.cfg.micro_batch_tokens)
 
-    def _row_slices(self) -> list[slice]:
-        size = self.cfg.micro_batch_size
-        return [slice(i, i + size) for i in range(0, self.batch.batch_size, size)]
+    def _shown_logprob(self) -> torch.Tensor:
+        """``[S]`` log P_φ(shown list) of every search under the current φ (eval mode, no grad)."""
+        batch = self.batch
+        every = torch.arange(batch.search_traj.numel(), device=batch.search_traj.device)
+        with eval_mode(self.retriever), torch.no_grad():
+            logits = self._scores(every, None)
+        return plackett_luce_logprob(logits, batch.search_order, valid=batch.search_valid)
+
+    def retriever_ratios(self) -> torch.Tensor:
+        """``[B]`` r_i = P_φ(D_i) / P_φ_old(D_i) over trajectory i's shown lists, clipped to [1 − ε_low, 1 + ε_high].
+
+        The off-policy weight of trajectory i in the θ surrogate after φ has stepped (docs/method.md section 4);
+        exactly 1 before any φ step, and 1 when the retriever does not train.
+        """
+        batch, cfg = self.batch, self.cfg
+        ratios = torch.ones(batch.batch_size, device=self.mask.device)
+        if self._shown_logprob_old is None:
+            return ratios
+        log_ratio = torch.zeros(batch.batch_size, device=self.mask.device).index_add_(
+            0, batch.search_traj, self._shown_logprob() - self._shown_logprob_old
+        )
+        ratios = log_ratio.clamp(max=rl.MAX_LOG_RATIO).exp()
+        clipped = ratios.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+        self.stats["retriever/ratio_mean"] = float(ratios.mean())
+        self.stats["retriever/ratio_clip_fraction"] = float((clipped != ratios).float().mean())
+        return clipped
 
     def _part_weight(self, rows: slice) -> torch.Tensor:
         """Share of the full-batch aggregate that the rows ``rows`` carry, so that parts sum to the whole."""
@@ -152,25 +229,37 @@ class RLProblem:
         encoder = self.retriever.query_encoder
         return [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
 
+    def has_policy_signal(self) -> bool:
+        """Whether any trajectory has a non-zero advantage (GRPO: some group's rewards differ)."""
+        return bool((self.seq_advantages != 0).any()) or self.value_head is not None
+
     def policy_loss(self) -> torch.Tensor:
         return sum(self.policy_loss_parts())
 
     def policy_loss_parts(self) -> Iterator[torch.Tensor]:
-        """The policy loss over micro-batches of rows, each weighted by its share of the aggregate."""
+        """The policy loss over token-budget micro-batches of rows, each weighted by its share of the aggregate."""
         for key in [k for k in self.stats if k.startswith(("policy/", "critic/"))]:
             del self.stats[key]
-        for rows in self._row_slices():
+        ratios = self.retriever_ratios()
+        for rows in self._row_groups:
             weight = self._part_weight(rows)
             if weight > 0:
-                yield weight * self._policy_loss_rows(rows, float(weight))
+                yield weight * self._policy_loss_rows(rows, ratios[rows], float(weight))
 
-    def _policy_loss_rows(self, rows: slice, weight: float) -> torch.Tensor:
-        """F on the trajectories ``rows`` (trailing padding trimmed); adds ``weight`` × its stats to ``stats``."""
+    def _policy_loss_rows(self, rows: slice, retriever_ratio: torch.Tensor, weight: float) -> torch.Tensor:
+        """F on the trajectories ``rows``; adds ``weight`` × its stats to ``stats``.
+
+        ``retriever_ratio`` ``[b]`` scales each trajectory's advantage (the retriever's off-policy weight).
+        """
         batch, cfg = self.batch, self.cfg
-        T = int(batch.attention_mask[rows].sum(-1).max())
-        cols = (rows, slice(0, T))
-        mask, adv, old = self.mask[cols], self.advantages[cols], batch.old_logprobs[cols]
-        logp, entropy, hidden = self.policy(batch.input_ids[cols], batch.attention_mask[cols])
+        cols = self._cols(rows)
+        mask = self.mask[cols]
+        adv = self.advantages[cols] * retriever_ratio[:, None]
+        logp, entropy, hidden = self.policy(
+            batch.input_ids[cols], batch.attention_mask[cols], score_mask=mask, entropy=True,
+            entropy_grad=bool(cfg.entropy_coef),
+        )
+        old = self._old_logprobs.setdefault(rows.start, logp.detach())  # π_old: this first forward, detached
         clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
         loss = rl.policy_loss(logp, old, adv, mask, agg=cfg.loss_agg, **clip)
         stats = rl.policy_loss_stats(logp, old, adv, mask, **clip)
@@ -179,7 +268,9 @@ class RLProblem:
             "policy/approx_kl": stats.approx_kl,
             "policy/entropy": float(rl.masked_mean(entropy.detach(), mask)),
         }
-        if self.ref_logprobs is not None:
+        if cfg.kl_coef and self.ref_logprobs is None:  # the reference is the current policy: KL and its grad are 0
+            values["policy/kl_ref"] = 0.0
+        elif self.ref_logprobs is not None:
             kl = rl.agg_loss(rl.kl_penalty(logp, self.ref_logprobs[cols], cfg.kl_kind), mask, cfg.loss_agg)
             values["policy/kl_ref"] = float(kl.detach())
             loss = loss + cfg.kl_coef * kl
@@ -192,7 +283,7 @@ class RLProblem:
             values["critic/value_loss"] = float(vloss.detach())
             loss = loss + cfg.value_coef * vloss
         for key, value in values.items():
-            self.stats[key] = self.stats.get(key, 0.0) + weight * value
+            self.stats[key] = self.stats.get(key, 0.0) + weight * float(value)
         return loss
 
     def _scores(self, searches: torch.Tensor, encoder: nn.Module | None) -> torch.Tensor:
@@ -230,13 +321,18 @@ class RLProblem:
     @torch.no_grad()
     def refresh_teacher(self) -> None:
         if self.lm_scores is not None:
+            self._credit_graph = None  # built by the old θ
             self.lm_scores = self._lm_scores()
 
     def coupling_loss(self, lam: float) -> torch.Tensor:
         return sum(self.coupling_loss_parts(lam), torch.zeros((), device=self.batch.input_ids.device))
 
     def coupling_loss_parts(self, lam: float) -> Iterator[torch.Tensor]:
-        """Σ_{s,d} w_s(d) ℓ_θ(d) over chunks of the credit sequences (one weighted backward per chunk)."""
+        """Σ_{s,d} w_s(d) ℓ_θ(d): one weighted backward through the LM-credit forward.
+
+        Uses the graph kept from construction when there is one (consumed here); otherwise ℓ_θ is recomputed
+        with grad, one token-budget group of searches at a time.
+        """
         if self.lm_scores is None or lam == 0 or self.psi is None:
             return
         batch = self.batch
@@ -245,14 +341,18 @@ class RLProblem:
             phi = self._scores(batch.credit_searches, None)
             psi = self._scores(batch.credit_searches, self.psi)
             weights = coupling_weights(self.lm_scores, phi, psi, 1.0, self.cfg.teacher_temperature, lam, valid=valid)
-        weights = (weights / batch.credit_searches.numel()).masked_fill(~valid, 0.0).flatten()  # G: mean over s
+        weights = (weights / batch.credit_searches.numel()).masked_fill(~valid, 0.0)  # G: mean over s
         self.stats["bridge/coupling_weight_abs"] = float(weights.abs().sum())
-        chunk = self.cfg.micro_batch_size
-        for start in range(0, weights.numel(), chunk):
-            w = weights[start : start + chunk]
+        if self._credit_graph is not None:
+            graph, self._credit_graph = self._credit_graph, None
+            yield (weights * graph).sum()
+            return
+        sequences = batch.credit_sequences
+        for group in budget_groups([seq.length for seq in sequences], self.cfg.micro_batch_tokens):
+            w = weights[group]
             if w.abs().sum() > 0:
-                sequences = batch.credit_sequences[start : start + chunk]
-                yield (w * self.policy.sequence_loglik(sequences, chunk)).sum()
+                scores = self.policy.branch_loglik([sequences[i] for i in group], self.cfg.micro_batch_tokens)
+                yield (w * scores).sum()
 
     def _zero_phi(self) -> torch.Tensor:
         """A zero that still belongs to φ's graph (so optimizers see zero grads, not missing ones)."""

@@ -20,7 +20,7 @@ KL_KINDS = ("k1", "k2", "k3")
 
 # exp() of a log-ratio beyond this overflows float32 (and its gradient becomes inf*0 = NaN). Both users
 # below saturate long before it, so clamping the log-ratio here changes no value that matters.
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
 
 
 def _select(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -175,7 +175,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     if kind == "k2":
         return 0.5 * (logp - ref_logp).square()
     if kind == "k3":
-        r = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        r = (ref_logp - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         return (torch.exp(r) - r - 1).clamp(-10.0, 10.0)
     raise ValueError(f"kl_penalty: unknown kind {kind!r}; expected one of {KL_KINDS}")
 
@@ -242,7 +242,7 @@ def _surrogate(
     act = mask.bool()
     log_ratio = _select(logp - old_logp, act)
     adv = _select(advantages, act)
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)

@@ -4,13 +4,16 @@ What is probed, on a probe fixed once (at the first probe) and reused at every l
 
 - ``policy``: the policy surrogate F (``RLProblem.policy_loss``: clipped GRPO/PPO loss + KL) w.r.t. the
   policy's trainable parameters (LoRA adapters) on a fixed rollout batch, the training batch of the first
-  probe step (kept on CPU, LM-credit sequences dropped). Advantages and π_old are those of that batch.
+  probe step (kept on CPU, LM-credit sequences dropped). Advantages and π_old (the policy's log-probs when
+  the probe was built) are those of that batch.
 - ``retriever``: the retrieval loss G = mean_s KL(Q_s ‖ P_φ(·|s)) w.r.t. the query encoder φ on fixed
-  queries (the first ``probe_queries`` distinct questions of that batch), fixed candidates (top-K′ by the
-  retriever at probe-creation time, K′ = ``model.candidates``) and a fixed teacher Q = softmax(ℓ/β):
-  ``teacher="random"``: ℓ ~ N(0, 1) from the seeded generator; ``teacher="answer"``: ℓ = 1 where a gold
-  answer occurs in the passage (SQuAD-normalised), else 0. Built here rather than taken from the batch's
-  credit searches, so G has data even when the policy issued no search.
+  queries, fixed candidates and a fixed teacher Q = softmax(ℓ/β). ``teacher="lm"`` (default): the loss the
+  solver minimises: the batch's LM-credit searches (at most ``probe_queries``), their K′ candidates and
+  ℓ = ℓ_θ(d) scored by the policy when the probe is built (docs/method.md section 2); a batch without
+  credit searches falls back to ``answer``. ``teacher="answer"``: the first ``probe_queries`` distinct
+  questions of the batch, top-K′ candidates by the retriever at probe-creation time (K′ =
+  ``model.candidates``), ℓ = 1 where a gold answer occurs in the passage (SQuAD-normalised), else 0.
+  ``teacher="random"``: those queries and candidates with ℓ ~ N(0, 1) from the seeded generator.
 
 For each target: a 1-D slice L(θ + αδ) with ``slice_points`` α in [−span, span], a ``grid_points`` ×
 ``grid_points`` grid L(θ + αδ + βη), and the sharpness (top Hessian eigenvalue, power iteration with
@@ -69,7 +72,7 @@ from bridge_pl.rewards import normalize_answer
 from bridge_pl.rollout.batch import RolloutBatch
 
 TARGETS = ("policy", "retriever")
-TEACHERS = ("random", "answer")
+TEACHERS = ("lm", "answer", "random")
 
 
 @dataclass
@@ -77,6 +80,8 @@ class Probe:
     """Fixed probe data: a rollout batch (CPU) for F; queries, candidates ``[Q, K′]``, ℓ ``[Q, K′]`` for G."""
 
     rollout: RolloutBatch
+    old_logprobs: torch.Tensor  # [B, T] π_old of the rollout on its loss tokens
+    ref_logprobs: torch.Tensor | None  # [B, T] the KL reference's log-probs there (None: no KL term)
     queries: list[str]
     rows: torch.Tensor
     teacher_scores: torch.Tensor
@@ -94,7 +99,7 @@ class LossLandscape(pl.Callback):
         power_iters: power-iteration steps for the sharpness; fd_eps: finite-difference step.
         pl_steps, pl_lr: gradient-descent steps and step size of the ψ trace (0 steps: no PL estimate).
         probe_queries: fixed queries of the G probe.
-        teacher: ``random`` | ``answer``, the fixed teacher scores ℓ of the G probe (module docstring).
+        teacher: ``lm`` | ``answer`` | ``random``, the fixed teacher scores ℓ of the G probe (module docstring).
         zero_row_norm: direction norm for all-zero weight rows (LoRA B at init); 0 leaves them unprobed.
         seed: seeds the directions, the power-iteration start and the random teacher.
         at_fit_end: probe once more on the final weights.
@@ -112,7 +117,7 @@ class LossLandscape(pl.Callback):
         pl_steps: int = 10,
         pl_lr: float = 0.1,
         probe_queries: int = 8,
-        teacher: str = "random",
+        teacher: str = "lm",
         zero_row_norm: float = 0.0,
         seed: int = 0,
         at_fit_end: bool = True,
@@ -169,6 +174,28 @@ class LossLandscape(pl.Callback):
     def _build_probe(self, pl_module: pl.LightningModule, batch: RolloutBatch) -> Probe:
         """Fixed probe data from this rank's current training batch (rank 0's is then broadcast)."""
         rollout = self._build_rollout(batch)
+        with torch.no_grad():
+            problem = RLProblem(pl_module.policy, pl_module.retriever, pl_module.psi, pl_module.value_head,
+                                move_data_to_device(rollout, pl_module.device), pl_module.rl_config)
+            old_logprobs = problem.old_logprobs().cpu()
+        # the reference stays fixed while the probe moves θ: keep its log-probs (= π_old when it is the policy)
+        ref_logprobs = None
+        if pl_module.rl_config.kl_coef:
+            ref_logprobs = old_logprobs if problem.ref_logprobs is None else problem.ref_logprobs.cpu()
+        return Probe(rollout, old_logprobs, ref_logprobs, *self._g_probe(pl_module, batch))
+
+    def _g_probe(
+        self, pl_module: pl.LightningModule, batch: RolloutBatch
+    ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """The G probe's (queries, candidate rows ``[Q, K′]``, teacher scores ℓ ``[Q, K′]``); see ``teacher``."""
+        if self.teacher == "lm" and batch.credit_searches.numel():
+            searches = batch.credit_searches[: self.probe_queries]
+            queries = [batch.search_queries[i] for i in searches.tolist()]
+            with torch.no_grad():
+                teacher = pl_module.policy.branch_loglik(batch.credit_sequences[: len(queries)]).float().cpu()
+            return queries, batch.search_candidates[searches].cpu(), teacher
+        if self.teacher == "lm":
+            rank_zero_info("LossLandscape: the probe batch has no LM-credit searches; G uses teacher='answer'.")
         questions = list(dict.fromkeys(batch.questions))[: self.probe_queries]
         golds = {q: g for q, g in zip(batch.questions, batch.golds)}
         retriever = pl_module.retriever
@@ -181,7 +208,7 @@ class LossLandscape(pl.Callback):
                 [[float(r >= 0 and _contains_answer(retriever.passage(r).contents, golds[q])) for r in row]
                  for q, row in zip(questions, rows.tolist())]
             )
-        return Probe(rollout=rollout, queries=questions, rows=rows, teacher_scores=teacher)
+        return questions, rows, teacher
 
     @staticmethod
     def _build_rollout(batch: RolloutBatch) -> RolloutBatch:
@@ -224,7 +251,9 @@ class LossLandscape(pl.Callback):
         if target == "policy":
             rollout = move_data_to_device(self.probe.rollout, pl_module.device)
             problem = RLProblem(pl_module.policy, pl_module.retriever, pl_module.psi, pl_module.value_head,
-                                rollout, pl_module.rl_config)
+                                rollout, pl_module.rl_config,
+                                old_logprobs=self.probe.old_logprobs.to(pl_module.device),
+                                ref_logprobs=move_data_to_device(self.probe.ref_logprobs, pl_module.device))
             return problem.policy_loss, pl_module.policy.trainable_parameters()
         encoder = pl_module.retriever.query_encoder
         params = [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []

@@ -45,12 +45,15 @@ def bigram_bias(model, table: dict[int, dict[int, float]]):
         handle.remove()
 
 
-def searching(policy):
+def searching(policy, answers: tuple[str, ...] = ()):
     """Make the random tiny policy issue searches: bias its next-token logits during generation.
 
     After a newline (the end of the prompt, or of an observation) it writes ``<search> alpha|beta</search>``;
-    the query word is sampled. Only the generation forward is biased (``Policy.forward``, used for the
-    losses, is untouched), so every loss term sees real searches, retrievals and LM-credit sequences.
+    the query word is sampled. With ``answers`` (single-token words with a leading space, e.g. ``" Paris"``),
+    after an observation it answers instead: `` <answer>, W </answer>`` with W sampled from ``answers``, so the
+    real exact-match reward varies within a group. Only the generation forward is biased (``Policy.forward``,
+    used for the losses, is untouched), so every loss term sees real searches, retrievals and LM-credit
+    sequences.
     """
     tok = policy.tokenizer
 
@@ -61,6 +64,14 @@ def searching(policy):
     lt, search, gt, close, alpha, beta = (token(s) for s in ["<", "search", ">", "</", " alpha", " beta"])
     table = {token("\n"): {lt: STEER}, token("\n\n"): {lt: STEER}, lt: {search: STEER}, search: {gt: STEER},
              gt: {alpha: STEER, beta: STEER}, alpha: {close: STEER}, beta: {close: STEER}, close: {search: STEER}}
+    if answers:
+        sp_lt, answer, gt_comma, sp_close, ans, wer = (
+            token(s) for s in [" <", "answer", ">,", " </", "ans", "wer"]
+        )
+        words = [token(w) for w in answers]
+        table |= {token("\n\n"): {sp_lt: STEER}, sp_lt: {answer: STEER}, answer: {gt_comma: STEER},
+                  gt_comma: dict.fromkeys(words, STEER), sp_close: {ans: STEER}, ans: {wer: STEER},
+                  wer: {gt: STEER}} | {w: {sp_close: STEER} for w in words}
     return bigram_bias(policy.hf_model, table)
 
 

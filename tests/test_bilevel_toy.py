@@ -30,6 +30,9 @@ class ToyProblem:
     def phi_parameters(self):
         return [self.y]
 
+    def has_policy_signal(self):
+        return True
+
     def policy_loss(self):
         return 0.5 * ((self.y.detach() - C) ** 2).sum() + 0.5 * MU * (self.x**2).sum()
 

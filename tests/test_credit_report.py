@@ -43,7 +43,7 @@ def rollout_batch(answers, golds, searches, metadata=None, rewards=None, dataset
         order[s] = torch.arange(k, 0, -1)
     return RolloutBatch(
         input_ids=torch.zeros(B, 1, dtype=torch.long), attention_mask=torch.ones(B, 1, dtype=torch.long),
-        action_mask=torch.ones(B, 1), old_logprobs=torch.zeros(B, 1),
+        action_mask=torch.ones(B, 1),
         rewards=torch.tensor(rewards if rewards is not None else [0.0] * B),
         group_ids=torch.arange(B), turns=torch.ones(B, dtype=torch.long),
         valid_actions=torch.ones(B, dtype=torch.long), invalid_actions=torch.zeros(B, dtype=torch.long),

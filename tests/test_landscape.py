@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_cli
+from helpers import searching, tiny_cli
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from bridge_pl import landscape
+from bridge_pl.problem import RLProblem
 from callbacks.landscape import LossLandscape
 
 # zero_row_norm > 0: LoRA B is all zero at init, so Li et al.'s rule alone would leave the policy slice flat
@@ -150,11 +151,26 @@ def test_answer_teacher_marks_passages_holding_a_gold_answer():
     )
     module = types.SimpleNamespace(retriever=retriever, hparams=types.SimpleNamespace(candidates=3))
     batch = types.SimpleNamespace(questions=["q1", "q1", "q2"], golds=[["paris"], ["paris"], ["the Paris"]])
-    callback = LossLandscape(teacher="answer")
-    callback._build_rollout = lambda batch: None
-    probe = callback._build_probe(module, batch)
-    assert probe.queries == ["q1", "q2"]
-    assert probe.teacher_scores.tolist() == [[1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
+    queries, _, teacher = LossLandscape(teacher="answer")._g_probe(module, batch)
+    assert queries == ["q1", "q2"]
+    assert teacher.tolist() == [[1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
+
+
+def test_lm_teacher_is_the_solvers_teacher_of_the_batch(tmp_path):
+    """By default G is probed on the batch's LM-credit searches with ℓ_θ as the solver computes it."""
+    cli = tiny_cli(tmp_path, "--model.mode=bridge")
+    module, data = cli.model, cli.datamodule
+    data.trainer = cli.trainer
+    module.setup("fit")
+    with searching(module.policy):
+        batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
+    assert batch.credit_searches.numel() > 0
+    queries, rows, teacher = LossLandscape(probe_queries=3)._g_probe(module, batch)
+    problem = RLProblem(module.policy, module.retriever, module.psi, None, batch, module.rl_config)
+    n = len(queries)
+    assert queries == [batch.search_queries[i] for i in batch.credit_searches[:n].tolist()]
+    assert torch.equal(rows, batch.search_candidates[batch.credit_searches[:n]])
+    assert torch.allclose(teacher, problem.lm_scores[:n], atol=1e-6)
 
 
 class CheckedLandscape(LossLandscape):

@@ -4,26 +4,27 @@ import torch
 from peft import PeftModel
 
 from bridge_pl.models import load_causal_lm
-from bridge_pl.policy import Policy
+from bridge_pl.policy import BranchedSequence, Policy
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchCall, SearchOutcome, Trajectory
 
 
 def test_chunked_logprobs_equal_full_softmax():
-    policy = Policy("tiny-llama", lora_r=4, logprob_chunk=3)
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4, logprob_chunk=3)
     ids = torch.randint(0, 1000, (2, 10))
     attn = torch.ones(2, 10, dtype=torch.long)
     attn[1, :3] = 0  # left padding
-    logp, entropy, _ = policy(ids, attn)
+    logp, entropy, _ = policy(ids, attn, entropy=True)
     logits = policy.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
     full = logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-    assert torch.allclose(logp[:, 1:], full, atol=1e-5)
-    assert torch.all(logp[:, 0] == 0) and torch.all(entropy[:, 1:] > 0)
+    real = attn[:, 1:].bool()  # padding is not scored
+    assert torch.allclose(logp[:, 1:][real], full[real], atol=1e-5)
+    assert torch.all(logp[:, 0] == 0) and torch.all(entropy[:, 1:][real] > 0) and torch.all(logp[:, 1:][~real] == 0)
     assert torch.allclose(policy.logprobs(ids, attn, micro_batch=1), logp.detach(), atol=1e-5)
 
 
 def test_reference_is_the_adapter_disabled():
-    policy = Policy("tiny-llama", lora_r=4)
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
     with torch.no_grad():
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
@@ -39,7 +40,7 @@ def test_reference_is_the_adapter_disabled():
 
 
 def test_adapter_saves_in_peft_format(tmp_path):
-    policy = Policy("tiny-llama", lora_r=4)
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
     with torch.no_grad():
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
@@ -75,7 +76,7 @@ def test_rollout_batch_masks_token_by_token():
 
 
 def test_rebased_reference_is_the_policy_at_that_moment_and_travels_in_the_state_dict():
-    policy = Policy("tiny-llama", lora_r=4)
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
     ids = torch.randint(0, 1000, (2, 8))
     attn = torch.ones_like(ids)
     with torch.no_grad():
@@ -93,19 +94,56 @@ def test_rebased_reference_is_the_policy_at_that_moment_and_travels_in_the_state
     assert torch.allclose(policy.reference_logprobs(ids, attn), warm, atol=1e-6)
     assert not torch.allclose(policy.logprobs(ids, attn), warm, atol=1e-3)
     assert all(torch.equal(v, policy.trained_state_dict()[k]) for k, v in trained.items())  # swapped back
-    fresh = Policy("tiny-llama", lora_r=4)
+    fresh = Policy("tiny-llama", dtype="float32", lora_r=4)
     fresh.load_state_dict(policy.state_dict())
     assert torch.allclose(fresh.reference_logprobs(ids, attn), warm, atol=1e-6)
 
 
 def test_policy_loaded_from_an_adapter_is_its_own_reference(tmp_path):
-    policy = Policy("tiny-llama", lora_r=4)
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
     with torch.no_grad():
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.1)
     policy.save_adapter(tmp_path / "adapter")
-    loaded = Policy("tiny-llama", adapter=str(tmp_path / "adapter"))
+    loaded = Policy("tiny-llama", dtype="float32", adapter=str(tmp_path / "adapter"))
     ids = torch.randint(0, 1000, (2, 8))
     attn = torch.ones_like(ids)
     assert torch.allclose(loaded.reference_logprobs(ids, attn), policy.logprobs(ids, attn), atol=1e-5)
+
+
+def test_branch_loglik_equals_scoring_each_branch_alone():
+    torch.manual_seed(0)
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    prefix, target = [5, 6, 7, 8], [40, 41, 42]
+    seqs = [
+        BranchedSequence(prefix, [[11, 12], [13], [14, 15, 16]], target),
+        BranchedSequence([9, 10], [[17], [18, 19], [20]], [43]),
+    ]
+    packed = policy.branch_loglik(seqs, token_budget=8)  # a budget below one row: one row per group
+    assert packed.shape == (2, 3)
+    for n, seq in enumerate(seqs):
+        for k, branch in enumerate(seq.branches):
+            ids = torch.tensor([seq.prefix + branch + seq.target])
+            logp = policy(ids, torch.ones_like(ids))[0][0, -len(seq.target):]
+            assert torch.allclose(packed[n, k], logp.mean(), atol=1e-5)
+    # gradients flow into the adapter through the packed row
+    packed.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.trainable_parameters())
+
+
+def test_head_runs_only_on_scored_positions():
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
+    ids = torch.randint(0, 1000, (2, 9))
+    attn = torch.ones_like(ids)
+    score = torch.zeros(2, 9, dtype=torch.bool)
+    score[0, 4:7] = True
+    score[1, 8] = True
+    full, _, _ = policy(ids, attn)
+    part, entropy, _ = policy(ids, attn, score_mask=score, entropy=True)
+    assert torch.allclose(part[score], full[score], atol=1e-6)
+    assert torch.all(part[~score] == 0) and torch.all(entropy[score] > 0) and torch.all(entropy[~score] == 0)

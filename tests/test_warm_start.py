@@ -61,7 +61,7 @@ def test_tokenized_demonstration_masks_prompt_and_observations():
 
 
 def test_sft_loss_is_the_mean_nll_of_masked_tokens():
-    policy = Policy("tiny-llama", lora_r=4)
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
     demos = [Demonstration([5, 6, 7, 8], [0, 1, 0, 1]), Demonstration([9, 10], [0, 1])]
     loss = sft_loss(policy, demos)
     pad = policy.tokenizer.pad_token_id
@@ -84,7 +84,7 @@ def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path, caplog
     policy = cli.model.policy
     assert policy.reference_adapter is not None  # RL's KL reference is the warm-started policy
     assert set(policy.reference_adapter) == set(policy.trained_state_dict())
-    reloaded = Policy("tiny-llama", adapter=str(tmp_path / "adapter"))
+    reloaded = Policy("tiny-llama", dtype="float32", adapter=str(tmp_path / "adapter"))
     # the adapter was saved right after the warm start; one RL step has moved the live policy since
     warm_state = reloaded.trained_state_dict()
     assert set(warm_state) == set(policy.trained_state_dict())
@@ -95,6 +95,6 @@ def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path, caplog
 
 def test_adapter_option_errors_name_the_option(tmp_path):
     with pytest.raises(FileNotFoundError, match="policy.adapter"):
-        Policy("tiny-llama", adapter=str(tmp_path))
+        Policy("tiny-llama", dtype="float32", adapter=str(tmp_path))
     with pytest.raises(ValueError, match="policy.adapter"):
-        Policy("tiny-llama", lora=False, adapter=str(tmp_path))
+        Policy("tiny-llama", dtype="float32", lora=False, adapter=str(tmp_path))

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from bridge_pl.data.qa import QAExample
 from bridge_pl.data.sources import load_qa
+from bridge_pl.policy import BranchedSequence
 from bridge_pl.rewards import ExactMatchReward, RewardFunction, extract_answer
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import RolloutEngine, Trajectory
@@ -231,53 +232,41 @@ class RolloutDataModule(L.LightningDataModule):
             retriever_version=module.retriever.version,
             dataset=dataset,
         )
-        if training:
-            self._add_old_logprobs(batch, module)
-            if module.solver.trains_retriever:
-                self._add_credit_sequences(batch, trajectories, prompts, per_traj, module, tokenizer)
+        if training and module.solver.trains_retriever:
+            self._add_credit_sequences(batch, trajectories, prompts, per_traj, module, tokenizer)
         return batch
-
-    @torch.no_grad()
-    def _add_old_logprobs(self, batch: RolloutBatch, module) -> None:
-        """π_old log-probs of the action tokens, recomputed by a full forward pass (as verl does)."""
-        was_training = module.policy.training
-        module.policy.eval()
-        ids, attn = batch.input_ids.to(module.device), batch.attention_mask.to(module.device)
-        logp = module.policy.logprobs(ids, attn, micro_batch=module.rl_config.micro_batch_size).cpu()
-        module.policy.train(was_training)
-        batch.old_logprobs = logp * batch.action_mask
 
     def _add_credit_sequences(
         self, batch: RolloutBatch, trajectories: list[Trajectory], prompts: list[list[int]],
         examples: list[QAExample], module, tokenizer,
     ) -> None:
-        """For up to ``credit_queries`` search calls, one (context, gold answer) pair per candidate slot.
+        """For up to ``credit_queries`` search calls, the packed LM-credit sequence (docs/method.md section 2).
 
-        Context = the prompt, the issued ``<search>`` and an observation holding only candidate d, then
-        ``<answer>``; target = the first gold answer and ``</answer>`` (ℓ_θ(d) of METHOD.md section 2).
+        Context = the prompt and the trajectory up to this search's observation (earlier observations kept);
+        one branch per candidate slot = an observation holding only that candidate, then the answer open tag;
+        target = the first gold answer (its tokens alone are scored).
         """
         S = batch.search_traj.numel()
         if S == 0:
             return
         rng = random.Random(self.seed * 1_000_003 + self.consumed)
         chosen = sorted(rng.sample(range(S), min(S, module.hparams.credit_queries)))
+        calls = [(t, call) for t, traj in enumerate(trajectories) for call in traj.searches]
         env, tags = self._engine.env, self.env_config
+
+        def ids(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        answer_open = ids(f"<{tags.answer_tag}>")
         sequences = []
         for s in chosen:
-            traj = int(batch.search_traj[s])
-            prompt = prompts[trajectories[traj].prompt_index]
-            query = batch.search_queries[s]
-            target = tokenizer(f" {examples[traj].golden_answers[0]} </{tags.answer_tag}>", add_special_tokens=False)[
-                "input_ids"
+            t, call = calls[s]
+            traj = trajectories[t]
+            prefix = prompts[traj.prompt_index] + traj.response_ids[: call.position]
+            branches = [
+                ids(env.observation([module.retriever.passage(row)])) + answer_open if row >= 0 else answer_open
+                for row in batch.search_candidates[s].tolist()
             ]
-            for row in batch.search_candidates[s].tolist():
-                if row < 0:
-                    sequences.append(([tokenizer.pad_token_id], [tokenizer.pad_token_id]))
-                    continue
-                text = (
-                    f"<{tags.search_tag}> {query} </{tags.search_tag}>"
-                    f"{env.observation([module.retriever.passage(row)])}<{tags.answer_tag}>"
-                )
-                sequences.append((prompt + tokenizer(text, add_special_tokens=False)["input_ids"], target))
+            sequences.append(BranchedSequence(prefix, branches, ids(f" {examples[t].golden_answers[0]}")))
         batch.credit_searches = torch.tensor(chosen, dtype=torch.long)
         batch.credit_sequences = sequences

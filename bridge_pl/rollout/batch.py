@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from bridge_pl.policy import BranchedSequence
     from bridge_pl.rollout.engine import Trajectory
 
 
@@ -16,8 +17,9 @@ class RolloutBatch:
     """B trajectories (prompt + response) and S search calls made while generating them.
 
     Token tensors are ``[B, T]``, right-padded. ``action_mask[b, t] = 1`` exactly where token t was
-    sampled by the policy (0 on prompt, retrieved observations, env messages and padding).
-    ``old_logprobs[b, t]`` is log π_old(token t | tokens < t) on action tokens and 0 elsewhere.
+    sampled by the policy (0 on prompt, retrieved observations, env messages and padding). π_old's log-probs
+    are not stored: with one update per batch they are the update's own first forward, detached
+    (:class:`~bridge_pl.problem.RLProblem`).
 
     Search calls are flattened over the batch: call s belongs to trajectory ``search_traj[s]``; its K′
     FAISS candidates are ``search_candidates[s]`` (retriever rows, -1 = padding); the k passages shown are
@@ -28,7 +30,6 @@ class RolloutBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     action_mask: torch.Tensor
-    old_logprobs: torch.Tensor
     rewards: torch.Tensor  # [B] float
     group_ids: torch.Tensor  # [B] long: trajectories of one prompt share a group (GRPO)
     turns: torch.Tensor  # [B] long
@@ -48,10 +49,10 @@ class RolloutBatch:
     policy_version: int
     retriever_version: int
     dataset: str = "train"
-    # LM credit (METHOD.md section 2): the search calls scored by the policy, and for each of them and
-    # each of its K' candidate slots one (context ids, gold-answer ids) pair, flattened row-major.
+    # LM credit (docs/method.md section 2): the search calls scored by the policy, and for each of them one
+    # packed sequence: its context, one branch per candidate slot (that passage alone), the gold answer.
     credit_searches: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    credit_sequences: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    credit_sequences: list[BranchedSequence] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:
@@ -87,10 +88,7 @@ class RolloutBatch:
         retriever_version: int,
         dataset: str = "train",
     ) -> RolloutBatch:
-        """Pad trajectories (from :class:`~bridge_pl.rollout.engine.RolloutEngine`) into a batch.
-
-        ``old_logprobs`` starts at zeros; the caller fills it with a forward pass of the policy.
-        """
+        """Pad trajectories (from :class:`~bridge_pl.rollout.engine.RolloutEngine`) into a batch."""
         B = len(trajectories)
         T = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
         input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
@@ -117,7 +115,6 @@ class RolloutBatch:
             input_ids=input_ids,
             attention_mask=attention_mask,
             action_mask=action_mask,
-            old_logprobs=torch.zeros(B, T),
             rewards=torch.tensor(rewards, dtype=torch.float32),
             group_ids=torch.tensor([t.prompt_index for t in trajectories], dtype=torch.long),
             turns=torch.tensor([t.turns for t in trajectories], dtype=torch.long),

@@ -38,11 +38,16 @@ class SearchOutcome:
 
 @dataclass
 class SearchCall:
-    """One executed search, as recorded in a trajectory (``turn`` is 1-based)."""
+    """One executed search, as recorded in a trajectory (``turn`` is 1-based).
+
+    ``position``: index into the trajectory's ``response_ids`` where this search's observation starts (so
+    ``response_ids[:position]`` is everything the policy had seen and written when it issued the search).
+    """
 
     query: str
     turn: int
     outcome: SearchOutcome
+    position: int = 0
 
 
 @dataclass
@@ -292,9 +297,9 @@ class RolloutEngine:
                 raise ValueError(f"the env reply {text!r} tokenizes to nothing; replies must be non-empty")
             if len(ro.response_ids) + len(ids) >= self.max_response_tokens:
                 continue  # no room to generate after it: the episode ends here, unfinished
-            ro.extend(ids, 0)
             if outcome is not None:
-                ro.searches.append(SearchCall(actions[i].content, turn, outcome))
+                ro.searches.append(SearchCall(actions[i].content, turn, outcome, len(ro.response_ids)))
+            ro.extend(ids, 0)
             replies[i] = ids
         return replies
 

@@ -1,0 +1,534 @@
+"""Time and peak memory of one training iteration per mode, split by phase, against floors from the same run.
+
+One iteration is what ``BridgeModule.training_step`` runs on a freshly generated batch, built the way the real
+CLI builds it (``BridgeCLI(..., run=False)``: the config's module and data module; no trainer loop, so no
+callback such as ``WarmStart`` runs)::
+
+    batch = datamodule.rollout(module, examples, training=True, dataset="train")
+    problem = RLProblem(module.policy, module.retriever, module.psi, module.value_head, batch, module.rl_config,
+                        keep_credit_graph=module.solver.uses_coupling)
+    module.solver.step(problem, updates)
+
+Each mode runs in its own subprocess (fresh allocator) with the same config and seed, so every mode sees the same
+prompts (the first batch of the seeded training stream) and, from the same initial weights, the same rollout (the
+fingerprint of the batch's token ids is printed to show it).
+
+Phases (each method is wrapped with ``time.perf_counter`` in the benchmark process; a phase called inside another
+one counts for the innermost, so nothing is counted twice):
+
+- rollout: ``RolloutDataModule.rollout`` (generation, searches, the LM-credit input sequences);
+- reference: ``RLProblem._reference_logprobs`` (the KL reference forward);
+- LM credit: ``RLProblem._lm_scores``, every call (construction, ``refresh_teacher``, ``lower_loss`` with a live
+  teacher);
+- policy update: the θ ``ParamUpdate`` (``step_parts``: forward and backward of the policy-loss parts and of the
+  coupling / hypergradient parts, clipping, the optimizer step);
+- retriever steps: the φ and ψ ``ParamUpdate`` steps and the retriever losses ``lower_loss`` and
+  ``retriever_upper_loss``, wherever they are called (also inside ``implicit``'s θ hypergradient);
+- other: the rest of the iteration (advantages, log P_φ of the shown lists at construction, solver glue).
+
+Memory: a background thread samples the process RSS (psutil, every 5 ms) and charges each sample to the innermost
+phase running; on Linux the kernel's RSS high-water mark is also read and reset at every phase boundary, so short
+peaks between samples are not missed. A phase's peak is its highest RSS minus the baseline RSS taken after setup
+(models loaded, index built, optimizers built, the warm-up below done, freed heap returned to the OS).
+
+Warm-up: before the baseline, one *greedy* rollout of a single prompt through the same data module. It pays the
+once-per-run costs (the engine's stop-token table, first-call kernel setup), which would otherwise land in the
+measured rollout of whichever process runs it, and it consumes no randomness (greedy decoding and top-k
+retrieval), so the measured rollout is exactly the one a fresh run would generate. No warm-up *iteration*: the
+first backward and optimizer step are measured as they come, in every mode and in the update floor alike.
+
+Steady-state adjustments (off with ``--as-is``): at a fresh start the KL reference equals the policy (a fresh
+LoRA adapter, or the snapshot taken by a warm start), so the first iteration skips the reference pass that every
+later iteration runs; here the reference snapshot is made to differ slightly from the adapter, so the pass runs
+(the rollout and the policy are untouched). And when no group of the batch has differing rewards (an untrained
+policy answers nothing right) the solver would skip the θ update; then the rewards are replaced by 0/1 alternating
+within each group (same batch in every mode), so the update runs. The output says which applied.
+
+Floors, in their own subprocess with the same config and seed, which regenerates the ``frozen`` batch:
+
+- generate: one single-turn ``policy.model.generate`` (sampling, no search) for the batch's rows from the same
+  prompts, with ``min_new_tokens = max_new_tokens`` = the mean number of policy-sampled tokens per trajectory;
+- update: one forward + backward over the batch's tokens, ``(policy(ids, attn)[0] * action_mask).sum().backward()``,
+  with ``score_mask=action_mask`` so the LM head runs only on the tokens the sum reads (same value and gradients;
+  without it the head runs on every token, which on a small model with a large vocabulary costs more than the
+  whole RL update and would be no floor).
+
+Usage (timings need an otherwise idle machine)::
+
+    python benchmarks/iteration_bench.py                                   # configs/demo.yaml, a few minutes
+    python benchmarks/iteration_bench.py --config tests/configs/tiny.yaml --threads 1 --json /tmp/it.json
+    python benchmarks/iteration_bench.py --modes frozen bridge --override --model.credit_queries=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import functools
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("frozen", "retriever_first", "bridge", "implicit")
+PHASES = ("rollout", "reference", "lm_credit", "policy_update", "retriever_steps", "other")
+LABELS = {
+    "rollout": "rollout (generate + search + LM-credit inputs)",
+    "reference": "reference log-probs",
+    "lm_credit": "LM credit (ℓ_θ forward, all calls)",
+    "policy_update": "policy update (θ fwd/bwd + coupling + step)",
+    "retriever_steps": "retriever steps (φ/ψ steps + their losses)",
+    "other": "other (advantages, P_φ of shown lists, glue)",
+}
+SAMPLE_S = 0.005
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # ``--override --model.x=1``: the value starts with "--", which argparse would read as an option; take the
+    # pairs out first.
+    overrides, rest, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--override" and i + 1 < len(argv):
+            overrides.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith("--override="):
+            overrides.append(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"), help="bridge-pl config")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), help="modes to measure (ratios are to frozen)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="torch CPU threads (default: all cores)")
+    parser.add_argument("--seed", type=int, help="sets seed_everything and data.seed (default: the config's)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--as-is", action="store_true",
+                        help="measure the first iteration exactly as a fresh run has it (no steady-state adjustments)")
+    parser.add_argument("--override", metavar="ARG", help="a CLI override, e.g. --override --model.candidates=4 "
+                        "(repeatable)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: a mode, or "floors"
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(rest)
+    args.override = overrides
+    if "frozen" in args.modes:  # frozen first: the other modes' ratios need it
+        args.modes = ["frozen"] + [m for m in args.modes if m != "frozen"]
+    return args
+
+
+def child_argv(args: argparse.Namespace, child: str, out: str) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", child, "--child-out", out,
+            "--config", args.config, "--threads", str(args.threads)]
+    if args.seed is not None:
+        argv += ["--seed", str(args.seed)]
+    if args.as_is:
+        argv.append("--as-is")
+    for override in args.override:
+        argv += ["--override", override]
+    return argv
+
+
+# ---- phases: time and memory ---------------------------------------------------------------------
+class PhaseClock:
+    """Exclusive time per phase (a nested phase's time is taken out of its caller's) and peak RSS per phase."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.process = psutil.Process()
+        self.time = dict.fromkeys(PHASES, 0.0)
+        self.calls = dict.fromkeys(PHASES, 0)
+        self.peak = dict.fromkeys(PHASES, 0)  # bytes of RSS
+        self.total = 0.0
+        self.stack: list[list] = []  # [phase, start, seconds spent in nested phases]
+        self.measuring = False
+        self._hwm = _reset_hwm()  # whether the kernel's high-water mark can be reset
+
+    def current(self) -> str | None:
+        return self.stack[-1][0] if self.stack else ("other" if self.measuring else None)
+
+    def note(self, phase: str | None, rss: int) -> None:
+        if phase is not None and rss > self.peak[phase]:
+            self.peak[phase] = rss
+
+    def boundary(self) -> None:
+        """Charge the high-water mark since the last boundary to the phase that ran until now."""
+        if self._hwm:
+            self.note(self.current(), _status_kb("VmHWM") * 1024)
+            _reset_hwm()
+
+    @contextlib.contextmanager
+    def measure(self):
+        """A measured stretch of the iteration (its time counts in the total; unphased time is 'other')."""
+        self.boundary()
+        self.measuring, start = True, time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.boundary()
+            self.measuring = False
+            self.total += elapsed
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.boundary()
+        self.stack.append([name, time.perf_counter(), 0.0])
+        self.calls[name] += 1
+        try:
+            yield
+        finally:
+            self.boundary()
+            _, start, nested = self.stack.pop()
+            elapsed = time.perf_counter() - start
+            self.time[name] += elapsed - nested
+            if self.stack:
+                self.stack[-1][2] += elapsed
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        """Replace ``owner.attr`` (a class or an instance) by a version timed as phase ``name``."""
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            warnings.warn(f"iteration_bench: {owner!r} has no '{attr}'; phase '{name}' misses it", stacklevel=2)
+            return
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        setattr(owner, attr, timed)
+
+
+class RssSampler:
+    """A daemon thread charging the process RSS every ``SAMPLE_S`` to the phase running at that moment."""
+
+    def __init__(self, clock: PhaseClock) -> None:
+        self.clock, self.stop = clock, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            phase = self.clock.current()
+            self.clock.note(phase, self.clock.process.memory_info().rss)
+            self.stop.wait(SAMPLE_S)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS (Linux); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        _status_kb("VmHWM")
+        return True
+    except OSError:
+        return False
+
+
+def settle() -> int:
+    """Collect garbage, return freed heap to the OS; the RSS (bytes) after that."""
+    import psutil
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
+# ---- building ------------------------------------------------------------------------------------
+def build(args: argparse.Namespace, mode: str, root: str):
+    """The config's module and data module for ``mode``, as the CLI builds them; the retriever index ready."""
+    import torch
+
+    from bridge_pl.cli import BridgeCLI
+
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # our own flags are in sys.argv
+    seed = [f"--seed_everything={args.seed}", f"--data.seed={args.seed}"] if args.seed is not None else []
+    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false", f"--trainer.default_root_dir={root}",
+                          *seed, *args.override, f"--model.mode={mode}"], run=False)
+    cli.datamodule.trainer = cli.trainer
+    cli.model.setup("fit")  # the retriever encodes (or loads) the corpus and builds its index
+    cli.model.train()  # as during fit (the rollout engine switches to eval and back itself)
+    return cli.model, cli.datamodule
+
+
+def first_batch(data) -> list:
+    """The prompts of the first training iteration: the first batch of the seeded training stream."""
+    return next(iter(data.train_dataloader()))
+
+
+def warm_up(module, data, examples) -> None:
+    """One greedy single-prompt rollout: pays the once-per-run costs, consumes no randomness (module doc)."""
+    data.rollout(module, examples[:1], training=False, dataset="warmup")
+
+
+def shape(batch, data) -> dict:
+    import torch
+
+    ids = batch.input_ids[batch.attention_mask.bool()]
+    return {
+        "trajectories": batch.batch_size,
+        "prompts": batch.batch_size // max(1, data.n_samples),
+        "sampled_tokens": float(batch.action_mask.sum(-1).float().mean()),
+        "trajectory_tokens": float(batch.attention_mask.sum(-1).float().mean()),
+        "searches": int(batch.search_traj.numel()),
+        "credit_searches": int(batch.credit_searches.numel()),
+        "reward": float(batch.rewards.mean()),
+        "fingerprint": hashlib.blake2b(ids.to(torch.int64).numpy().tobytes(), digest_size=4).hexdigest(),
+    }
+
+
+def reference_differs(module) -> str | None:
+    """Make the KL reference differ from the current LoRA adapter so that the reference pass runs (module doc)."""
+    policy = module.policy
+    if module.rl_config.kl_coef == 0 or not policy.lora or not policy.reference_is_current():
+        return None
+    policy.rebase_reference()
+    policy.reference_adapter = {k: v + 1e-3 for k, v in policy.reference_adapter.items()}
+    return "KL reference set apart from the adapter, so the reference pass runs"
+
+
+def ensure_signal(batch) -> str | None:
+    """Replace the rewards by 0/1 alternating within each group when no group's rewards differ (module doc)."""
+    import torch
+
+    groups = batch.group_ids.tolist()
+    rewards = batch.rewards.tolist()
+    by_group: dict[int, set] = {}
+    for g, r in zip(groups, rewards):
+        by_group.setdefault(g, set()).add(r)
+    if any(len(values) > 1 for values in by_group.values()):
+        return None
+    seen: dict[int, int] = {}
+    synthetic = []
+    for g in groups:
+        synthetic.append(float(seen.get(g, 0) % 2))
+        seen[g] = seen.get(g, 0) + 1
+    batch.rewards = torch.tensor(synthetic, dtype=batch.rewards.dtype, device=batch.rewards.device)
+    return "no reward signal: rewards set to 0/1 within groups"
+
+
+# ---- children --------------------------------------------------------------------------------------
+def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
+    """Child: one measured iteration of ``mode``."""
+    import torch
+
+    from bridge_pl.problem import RLProblem
+
+    module, data = build(args, mode, root)
+    examples = first_batch(data)
+    warm_up(module, data, examples)
+    optimizers, _ = module.configure_optimizers()
+    updates = module.updates_from(optimizers, backward=torch.Tensor.backward)
+    notes = [] if args.as_is else [n for n in [reference_differs(module)] if n]
+
+    clock = PhaseClock()
+    clock.wrap(data, "rollout", "rollout")
+    clock.wrap(RLProblem, "_reference_logprobs", "reference")
+    clock.wrap(RLProblem, "_lm_scores", "lm_credit")
+    clock.wrap(RLProblem, "lower_loss", "retriever_steps")
+    clock.wrap(RLProblem, "retriever_upper_loss", "retriever_steps")
+    for update, name in [(updates.policy, "policy_update"), (updates.phi, "retriever_steps"),
+                         (updates.psi, "retriever_steps")]:
+        if update is not None:
+            for attr in ("step", "step_parts", "apply_grads"):
+                clock.wrap(update, attr, name)
+
+    baseline = settle()
+    _reset_hwm()
+    with RssSampler(clock):
+        with clock.measure():
+            batch = data.rollout(module, examples, training=True, dataset="train")
+        reward = float(batch.rewards.mean())
+        if not args.as_is:
+            notes += [n for n in [ensure_signal(batch)] if n]
+        with clock.measure():
+            problem = RLProblem(module.policy, module.retriever, module.psi, module.value_head, batch,
+                                module.rl_config, keep_credit_graph=module.solver.uses_coupling)
+            logs = module.solver.step(problem, updates)
+    if logs.get("policy/skipped"):
+        notes.append("the solver skipped the θ update (no reward signal)")
+
+    def mb(rss: int) -> float:
+        return max(0.0, (rss - baseline) / 2**20)
+
+    phases = {p: {"time_s": clock.time[p], "peak_mb": mb(clock.peak[p]) if clock.peak[p] else 0.0,
+                  "calls": clock.calls[p]} for p in PHASES}
+    phases["other"]["time_s"] = max(0.0, clock.total - sum(clock.time[p] for p in PHASES if p != "other"))
+    return {"time_s": clock.total, "peak_mb": mb(max(clock.peak.values())), "phases": phases,
+            "shape": shape(batch, data) | {"reward": reward}, "notes": notes, "threads": torch.get_num_threads(),
+            "dtype": str(module.policy.weight_dtype).replace("torch.", ""), "baseline_mb": baseline / 2**20}
+
+
+def run_floors(args: argparse.Namespace, root: str) -> dict:
+    """Child: the generate floor and the update floor on the ``frozen`` batch (module doc)."""
+    import torch
+
+    module, data = build(args, "frozen", root)
+    examples = first_batch(data)
+    warm_up(module, data, examples)
+    batch = data.rollout(module, examples, training=True, dataset="train")
+    policy, tok = module.policy, module.policy.tokenizer
+    n_tokens = max(1, round(float(batch.action_mask.sum(-1).float().mean())))
+
+    prompts = [data.prompt_ids(tok, ex.question) for ex in examples]
+    rows = [p for p in prompts for _ in range(data.n_samples)]  # prompt-major, as the rollout
+    width = max(len(p) for p in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, p in enumerate(rows):  # left-padded, as generation needs
+        ids[r, width - len(p):] = torch.tensor(p)
+        attn[r, width - len(p):] = 1
+    ids, attn = ids.to(module.device), attn.to(module.device)
+    sampling = {"do_sample": True, "temperature": data.engine_args["temperature"],
+                "top_p": data.engine_args["top_p"], "pad_token_id": tok.pad_token_id}
+    model = policy.model
+    model.eval()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=2, min_new_tokens=2, **sampling)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                             **sampling)
+        generate_s = time.perf_counter() - start
+    model.train()
+    assert out.shape[1] - width == n_tokens, (out.shape, width, n_tokens)
+
+    start = time.perf_counter()  # score_mask: the LM head only where the sum below reads (same value and grads)
+    logp = policy(batch.input_ids, batch.attention_mask, score_mask=batch.action_mask)[0]
+    (logp * batch.action_mask).sum().backward()
+    update_s = time.perf_counter() - start
+    return {"generate_s": generate_s, "update_s": update_s, "generate_rows": len(rows),
+            "generate_tokens": n_tokens, "shape": shape(batch, data)}
+
+
+# ---- parent ----------------------------------------------------------------------------------------
+def spawn(args: argparse.Namespace, child: str, tmp: str) -> dict | None:
+    out = str(Path(tmp) / f"{child}.json")
+    print(f"iteration_bench: running {child} ...", file=sys.stderr, flush=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
+    start = time.perf_counter()
+    proc = subprocess.run(child_argv(args, child, out), env=env, cwd=ROOT)
+    if proc.returncode != 0 or not Path(out).is_file():
+        print(f"iteration_bench: {child} failed (exit {proc.returncode})", file=sys.stderr, flush=True)
+        return None
+    result = json.loads(Path(out).read_text())
+    summary = {k: result[k] for k in ("time_s", "peak_mb", "generate_s", "update_s") if k in result}
+    print(f"iteration_bench: {child} done in {time.perf_counter() - start:.0f} s: {summary} {result['shape']}",
+          file=sys.stderr, flush=True)
+    return result
+
+
+def cell(time_s: float, peak_mb: float) -> str:
+    return f"{time_s:.2f} s / {peak_mb:.0f} MB"
+
+
+def report(args: argparse.Namespace, results: dict, floors: dict | None, load: float) -> str:
+    modes = list(results)
+    lines = [f"# iteration_bench: {Path(args.config).name}, one iteration per mode", ""]
+    any_result = next(iter(results.values()), None) or floors
+    if any_result is not None:
+        s = any_result["shape"]
+        threads = any_result.get("threads", args.threads)
+        lines += [
+            f"- settings: {threads} torch thread(s); policy dtype {any_result.get('dtype', '?')}; "
+            f"seed {'config' if args.seed is None else args.seed}; overrides {args.override or 'none'}",
+            f"- shapes: {s['trajectories']} trajectories ({s['prompts']} prompts x "
+            f"{s['trajectories'] // max(1, s['prompts'])} samples), {s['sampled_tokens']:.1f} policy-sampled tokens "
+            f"and {s['trajectory_tokens']:.1f} tokens (prompt + response) per trajectory on average, "
+            f"{s['searches']} searches",
+        ]
+    for mode, r in results.items():
+        s = r["shape"]
+        notes = "; ".join(r["notes"]) or "no adjustment"
+        lines.append(f"- {mode}: rollout {s['fingerprint']}, {s['credit_searches']} LM-credit searches, "
+                     f"mean reward {s['reward']:.2f}; {notes}")
+    lines += [f"- load average when started: {load:.2f} (timings need an otherwise idle machine; cells are "
+              "time / peak RSS above the post-setup baseline)", ""]
+    if modes:
+        lines += ["| phase | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+        for p in PHASES:
+            cells = []
+            for m in modes:
+                ph = results[m]["phases"][p]
+                ran = ph["calls"] or (p == "other" and ph["time_s"] > 0)
+                cells.append(cell(ph["time_s"], ph["peak_mb"]) if ran else "-")
+            lines.append(f"| {LABELS[p]} | " + " | ".join(cells) + " |")
+        lines.append("| **total** | " + " | ".join(f"**{cell(results[m]['time_s'], results[m]['peak_mb'])}**"
+                                                 for m in modes) + " |")
+        lines += ["", "A phase called inside another counts for the innermost: LM credit inside a retriever loss or "
+                  "the θ step counts as LM credit; the retriever losses inside implicit's θ hypergradient count as "
+                  "retriever steps (its HVPs and backward stay in the policy update). '-': not run in that mode. "
+                  "Freed memory is not all returned to the OS at once, so a phase's peak RSS includes what the "
+                  "phases before it still hold; the total's peak is the iteration's.", ""]
+    if floors is not None:
+        fs = floors["shape"]
+        lines += [f"Floors: generate {floors['generate_s']:.2f} s (one HF generate, {floors['generate_rows']} rows x "
+                  f"{floors['generate_tokens']} sampled tokens, no search); update {floors['update_s']:.2f} s (one "
+                  f"forward + backward over {fs['trajectories']} x {fs['trajectory_tokens']:.0f} tokens)."]
+        if "frozen" in results:
+            floor = floors["generate_s"] + floors["update_s"]
+            lines.append(f"frozen total / (generate floor + update floor) = {results['frozen']['time_s']:.2f} / "
+                         f"{floor:.2f} = {results['frozen']['time_s'] / floor:.2f}")
+        lines.append("")
+    if "frozen" in results:
+        base = results["frozen"]
+        lines += ["| mode | time / frozen | peak MB / frozen |", "|---|---|---|"]
+        for m in modes:
+            mem = f"{results[m]['peak_mb'] / base['peak_mb']:.2f}" if base["peak_mb"] > 0 else "-"
+            lines.append(f"| {m} | {results[m]['time_s'] / base['time_s']:.2f} | {mem} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.child:
+        with tempfile.TemporaryDirectory(prefix="iteration_bench_") as root:
+            result = run_floors(args, root) if args.child == "floors" else run_mode(args, args.child, root)
+        Path(args.child_out).write_text(json.dumps(result))
+        return 0
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="iteration_bench_") as tmp:
+        results = {m: r for m in args.modes if (r := spawn(args, m, tmp)) is not None}
+        floors = spawn(args, "floors", tmp)
+    print(report(args, results, floors, load))
+    if args.json:
+        data = {
+            "floors": {"generate_s": floors["generate_s"], "update_s": floors["update_s"]} if floors else {},
+            "modes": {m: {"time_s": r["time_s"], "peak_mb": r["peak_mb"],
+                          "phases": {p: {"time_s": v["time_s"], "peak_mb": v["peak_mb"]}
+                                     for p, v in r["phases"].items()}}
+                      for m, r in results.items()},
+        }
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+    failed = len(results) < len(args.modes) or floors is None
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Properties the method claims, on real rollouts of the tiny policy under the real exact-match reward.
+
+- the retriever's shown lists are an action: after a φ step, θ's surrogate weights each trajectory by
+  P_φnew(D_i) / P_φold(D_i), so ``retriever_first`` and ``policy_first`` make different θ updates;
+- the ``unmasked`` ablation trains on observation tokens with their real π_old (ratio 1 at the start);
+- a batch without reward variance leaves θ untouched (no Adam step on KL/coupling noise).
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+from helpers import searching, tiny_cli
+
+from bridge_pl.bilevel import make_solver
+from bridge_pl.problem import RLProblem
+
+WORDS = (" Paris", " Rome")
+
+
+@pytest.fixture
+def city_qa(tmp_path):
+    """Four questions whose gold answer is Paris, as a FlashRAG jsonl file."""
+    path = tmp_path / "qa.jsonl"
+    rows = [{"id": f"q{i}", "question": f"Which city is number {i}?", "golden_answers": ["Paris"]} for i in range(4)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def _module_and_batch(tmp_path, *overrides, answers=WORDS, qa=None):
+    cli = tiny_cli(tmp_path, "--data.n_samples=4", *([f"--data.train={qa}"] if qa else []), *overrides)
+    module, data = cli.model, cli.datamodule
+    data.trainer = cli.trainer
+    module.setup("fit")
+    torch.manual_seed(0)
+    with searching(module.policy, answers=answers):
+        batch = data.rollout(module, data.load(data.train_source)[:2], training=True, dataset="train")
+    return module, batch
+
+
+def _step(module, batch, mode):
+    """One iteration of ``mode``'s solver on ``batch`` (AdamW from configure_optimizers, no trainer)."""
+    module.solver = make_solver(mode)
+    optimizers, _ = module.configure_optimizers()
+    problem = RLProblem(module.policy, module.retriever, module.psi, module.value_head, batch, module.rl_config,
+                        keep_credit_graph=module.solver.uses_coupling)
+    logs = module.solver.step(problem, module.updates_from(optimizers, backward=torch.Tensor.backward))
+    return logs | problem.stats
+
+
+def _lora(module):
+    return {k: v.detach().clone() for k, v in module.policy.trained_state_dict().items()}
+
+
+def test_retriever_first_and_policy_first_make_different_policy_updates(tmp_path, city_qa):
+    module, batch = _module_and_batch(tmp_path, "--model.mode=retriever_first", qa=city_qa)
+    assert 0 < batch.rewards.sum() < batch.batch_size  # the real EM reward varies: GRPO has a signal
+    assert batch.credit_searches.numel() > 0
+    start = copy.deepcopy(module.state_dict())
+    thetas, logs = {}, {}
+    for mode in ("policy_first", "retriever_first"):
+        module.load_state_dict(start)
+        logs[mode] = _step(module, batch, mode)
+        thetas[mode] = _lora(module)
+    # θ first: φ has not moved, every trajectory keeps weight 1; φ first: the shown lists' probabilities moved
+    assert logs["policy_first"]["retriever/ratio_mean"] == 1.0
+    assert logs["retriever_first"]["retriever/ratio_mean"] != 1.0
+    assert any(not torch.equal(thetas["policy_first"][k], thetas["retriever_first"][k]) for k in thetas["policy_first"])
+
+
+def test_unmasked_ablation_trains_observation_tokens_from_their_real_old_logprobs(tmp_path, city_qa):
+    module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", "--model.mask_observations=false", qa=city_qa)
+    problem = RLProblem(module.policy, module.retriever, None, None, batch, module.rl_config)
+    observations = problem.mask.bool() & (batch.action_mask == 0)
+    assert observations.sum() > 50  # the ablation's loss covers retrieved tokens
+    captured = {}
+    forward = module.policy.forward
+
+    def capture(*args, **kwargs):
+        logp, entropy, hidden = forward(*args, **kwargs)
+        logp.retain_grad()
+        captured["logp"] = logp
+        return logp, entropy, hidden
+
+    module.policy.forward = capture
+    module.rl_config.micro_batch_tokens = 10**6  # one micro-batch: captured["logp"] covers the batch
+    problem.policy_loss().backward()
+    # π_old is the real policy on every loss token: the ratio starts at exactly 1, nothing is clipped
+    assert problem.stats["policy/approx_kl"] == 0.0 and problem.stats["policy/clip_fraction"] == 0.0
+    grad = captured["logp"].grad
+    in_loss = problem.mask.bool()
+    rows_with_signal = problem.seq_advantages != 0
+    # with ratio 1 every loss token of a trajectory gets the same gradient -A_i / N, observations included
+    expected = -problem.seq_advantages[:, None].expand_as(grad) / problem.mask.sum()
+    assert torch.allclose(grad[in_loss], expected[in_loss], atol=1e-7)
+    assert grad[observations & rows_with_signal[:, None]].abs().min() > 0
+
+
+def test_a_batch_without_reward_variance_leaves_the_policy_untouched(tmp_path, city_qa):
+    module, batch = _module_and_batch(tmp_path, "--model.mode=bridge", answers=(" Rome",), qa=city_qa)
+    assert batch.rewards.sum() == 0  # every answer wrong under EM: no group has variance
+    before = _lora(module)
+    logs = _step(module, batch, "bridge")
+    assert logs["policy/skipped"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in _lora(module).items())

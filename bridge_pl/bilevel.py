@@ -1,9 +1,9 @@
 """Update schedules for the policy θ, the retriever query encoder φ and its reference copy ψ.
 
-One :class:`Solver` per ``mode`` (METHOD.md sections 4-5). Solvers only see a :class:`BilevelProblem`
+One :class:`Solver` per ``mode`` (docs/method.md sections 4-5). Solvers only see a :class:`BilevelProblem`
 (losses on the current rollout batch) and :class:`ParamUpdate` objects (one optimizer each), so the
 same update rule runs the LLM/retriever problem in :mod:`bridge_pl.module` and the closed-form toy
-problem of METHOD.md section 8 in the tests. The module never branches on the mode.
+problem of docs/method.md section 8 in the tests. The module never branches on the mode.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ class Solver(ABC):
     trains_retriever: bool = True
     needs_psi: bool = False
     uses_coupling: bool = False  # the θ step backpropagates through the LM-credit scores
+    lower_level_needs_sgd: bool = False  # φ/ψ steps follow an SGD step-size rule (adaptive optimizers refused)
 
     def __init__(self, phi_steps: int = 1, psi_steps: int = 1, policy_epochs: int = 1) -> None:
         self.phi_steps = phi_steps
@@ -200,9 +201,10 @@ class PolicyFirstSolver(Solver):
 
 
 class RetrieverFirstSolver(Solver):
-    """``retriever_first``: φ steps on G(θ, φ), then a θ step (the order METHOD.md section 1 finds better).
+    """``retriever_first``: φ steps on G(θ, φ), then a θ step (the order docs/method.md section 1 finds better).
 
-    The θ step sees the new φ through the next iteration's rollouts (on a fixed batch F does not depend on φ).
+    The θ step sees the new φ through the retriever ratios r_i = P_φ(D_i)/P_φ_start(D_i) that weight each
+    trajectory's advantage (docs/method.md section 4.2); with θ first (``policy_first``) they are 1.
     """
 
     name = "retriever_first"
@@ -228,7 +230,7 @@ class PenaltySchedule:
 
 
 class BridgeSolver(Solver):
-    """``bridge``: first-order penalty bilevel step (METHOD.md section 4; F2SA / V-PBGD family).
+    """``bridge``: first-order penalty bilevel step (docs/method.md section 4; F2SA / V-PBGD family).
 
     Per iteration: K_ψ steps of ψ on G; K_φ steps of φ on F + λG with step size scaled by 1/(1+λ);
     policy steps on F plus the coupling term λ(∇θG(θ,φ) − ∇θG(θ,ψ)); then λ ← min(λ_max, λ + δ).
@@ -240,6 +242,7 @@ class BridgeSolver(Solver):
     name = "bridge"
     needs_psi = True
     uses_coupling = True
+    lower_level_needs_sgd = True
 
     def __init__(
         self,

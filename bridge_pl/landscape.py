@@ -1,4 +1,4 @@
-"""Loss-landscape probes (METHOD.md section 7): random slices, sharpness and a PL estimate.
+"""Loss-landscape probes (docs/method.md section 7): random slices, sharpness and a PL estimate.
 
 Every function takes a loss closure ``loss_fn() -> scalar tensor`` and the list of parameters it
 probes, moves the parameters in place, and leaves them bit-identical to how it found them (they are

@@ -133,8 +133,8 @@ class BridgeModule(L.LightningModule):
     def configure_optimizers(self):
         make = self.factories
 
-        def build(factory, params, lr):
-            return factory(params) if factory is not None else torch.optim.AdamW(params, lr=lr)
+        def build(factory, params, lr, default=torch.optim.AdamW):
+            return factory(params) if factory is not None else default(params, lr=lr)
 
         optimizers = [build(make["policy"], self.policy.trainable_parameters(), 1e-5)]
         schedulers = []
@@ -146,9 +146,14 @@ class BridgeModule(L.LightningModule):
             phi_towers = [self.retriever.query_encoder]
             if passage_tower is not None and passage_tower is not self.retriever.query_encoder:
                 phi_towers.append(passage_tower)
+            sgd_only = self.solver.lower_level_needs_sgd
             for towers in [phi_towers] + ([[self.psi]] if self.psi is not None else []):
                 params = [p for tower in towers for p in tower.parameters() if p.requires_grad]
-                optimizers.append(build(make["retriever"], params, 1e-5))
+                if sgd_only:
+                    optimizers.append(build(make["retriever"], params, BRIDGE_RETRIEVER_SGD_LR, torch.optim.SGD))
+                    _require_sgd(optimizers[-1], self.solver.name)
+                else:
+                    optimizers.append(build(make["retriever"], params, 1e-5))
                 if make["retriever_scheduler"] is not None:
                     schedulers.append(make["retriever_scheduler"](optimizers[-1]))
         if self.value_head is not None:
@@ -322,6 +327,21 @@ class BridgeModule(L.LightningModule):
         self.solver.load_state_dict(state.get("solver", {}) or self.solver.state_dict())
         if "rng" in state:
             _set_rng_state(state["rng"])
+
+
+BRIDGE_RETRIEVER_SGD_LR = 0.5  # φ/ψ's default SGD step in ``bridge`` mode (φ's is then scaled by 1/(1+λ))
+
+
+def _require_sgd(optimizer: torch.optim.Optimizer, mode: str) -> None:
+    """``bridge``'s step rule for φ and ψ is an SGD rule; refuse adaptive optimizers (docs/method.md 4.3)."""
+    if type(optimizer) is not torch.optim.SGD:
+        raise ValueError(
+            f"model.retriever_optimizer: mode '{mode}' needs torch.optim.SGD for the query encoder φ and its copy ψ, "
+            f"got {type(optimizer).__name__}. The penalty method's 1/(1+λ) step rule holds for SGD steps; an "
+            "adaptive optimizer normalises the gradient's scale away, loses track of the lower-level solution as λ "
+            "grows, and the coupling term multiplies that error by λ (the toy problem of docs/method.md section 8 "
+            "diverges under Adam). Use e.g. {class_path: torch.optim.SGD, init_args: {lr: 0.5}}."
+        )
 
 
 class _JointOptimizer:

@@ -2,7 +2,7 @@
 
 Upper level F: the clipped RL surrogate on policy-generated tokens (θ) and the policy-gradient credit
 for the retrieved lists (φ). Lower level G: KL(Q_θ ‖ P_φ), the LM-supervised retrieval loss, on the
-search calls chosen for LM credit (METHOD.md sections 2-4).
+search calls chosen for LM credit (docs/method.md sections 2-4).
 """
 
 from __future__ import annotations

@@ -76,5 +76,5 @@ def sft_loss(policy, demos: list[Demonstration]) -> torch.Tensor:
         attn[r, :n] = 1
         mask[r, :n] = torch.tensor(d.loss_mask, dtype=torch.float32)
     ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-    logp = policy(ids, attn)[0]
+    logp = policy(ids, attn, score_mask=mask.bool())[0]  # the LM head only where the loss looks
     return -(logp * mask).sum() / mask.sum().clamp(min=1)

@@ -1,4 +1,4 @@
-"""``IndexRefresh``: keep a trainable passage tower's FAISS index fresh enough (METHOD.md section 6).
+"""``IndexRefresh``: keep a trainable passage tower's FAISS index fresh enough (docs/method.md section 6).
 
 Two strategies:
 

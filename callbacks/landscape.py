@@ -1,4 +1,4 @@
-"""``LossLandscape``: periodic loss-landscape probes of the policy and the retriever (METHOD.md section 7).
+"""``LossLandscape``: periodic loss-landscape probes of the policy and the retriever (docs/method.md section 7).
 
 What is probed, on a probe fixed once (at the first probe) and reused at every later one:
 

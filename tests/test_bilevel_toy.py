@@ -1,4 +1,4 @@
-"""The BRIDGE and implicit solvers on METHOD.md section 8's toy bilevel problem (closed-form solution)."""
+"""The BRIDGE and implicit solvers on docs/method.md section 8's toy bilevel problem (closed-form solution)."""
 
 import pytest
 import torch

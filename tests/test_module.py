@@ -123,3 +123,14 @@ def test_ppo_trains_the_value_head(tmp_path):
     assert not torch.equal(head, cli.model.value_head.weight.detach())
     assert cli.trainer.callback_metrics["critic/value_loss"] > 0
     assert cli.trainer.global_step == 2  # iterations, not inner optimizer steps
+
+
+def test_bridge_refuses_an_adaptive_retriever_optimizer(tmp_path):
+    """bridge's 1/(1+λ) step rule is an SGD rule: Adam on φ/ψ diverges on the toy (docs/method.md 4.3)."""
+    cli = tiny_cli(tmp_path, "--model.retriever_optimizer=torch.optim.AdamW")
+    with pytest.raises(ValueError, match="model.retriever_optimizer: mode 'bridge' needs torch.optim.SGD"):
+        cli.model.configure_optimizers()
+    default, _ = tiny_cli(tmp_path / "default").model.configure_optimizers()
+    assert [type(o).__name__ for o in default] == ["AdamW", "SGD", "SGD"]  # θ, φ, ψ
+    other = tiny_cli(tmp_path / "rf", "--model.mode=retriever_first", "--model.retriever_optimizer=torch.optim.AdamW")
+    assert [type(o).__name__ for o in other.model.configure_optimizers()[0]] == ["AdamW", "AdamW"]

@@ -16,7 +16,7 @@ class Retriever(nn.Module, ABC):
 
     Subclasses implement :meth:`search` (candidate generation, no grad) and :meth:`score`
     (differentiable relevance of given (query, passage) pairs). A trainable retriever exposes its
-    query tower as :attr:`query_encoder` (the φ of METHOD.md); the trainer may deep-copy it (ψ) and pass
+    query tower as :attr:`query_encoder` (the φ of docs/method.md); the trainer may deep-copy it (ψ) and pass
     the copy back to :meth:`score`.
     """
 

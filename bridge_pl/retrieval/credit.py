@@ -1,6 +1,6 @@
-"""Stochastic retrieval and LM-supervised retrieval credit (METHOD.md sections 2-4), as tensor functions.
+"""Stochastic retrieval and LM-supervised retrieval credit (docs/method.md sections 2-4), as tensor functions.
 
-Shapes: ``S`` search queries, ``K`` FAISS candidates per query (K' in METHOD.md), ``k`` passages shown.
+Shapes: ``S`` search queries, ``K`` FAISS candidates per query (K' in docs/method.md), ``k`` passages shown.
 ``valid`` is an optional ``[S, K]`` bool mask of real candidate slots (a query may have fewer than ``K``
 candidates; the rest is padding). Invalid slots get probability exactly 0 everywhere: they are never
 sampled, never enter a normaliser, and get zero gradient.
@@ -172,7 +172,7 @@ def coupling_weights(
     lam: float,
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Detached weights ``w`` ``[S, K]`` of the first-order BRIDGE coupling term (METHOD.md 4, step 5).
+    """Detached weights ``w`` ``[S, K]`` of the first-order BRIDGE coupling term (docs/method.md 4, step 5).
 
     ``w_s(d) = (lam / beta) Q_s(d) [log P_psi(d|s) - log P_phi(d|s) - (G_s(phi) - G_s(psi))]``, so that
     ``d/d lm_scores sum_{s,d} w_s(d) lm_scores_s(d) = lam * d/d lm_scores (sum_s G_s(phi) - sum_s G_s(psi))``:

@@ -1,13 +1,13 @@
 """Dense bi-encoder retriever: an HF encoder tower for queries (φ), one for passages, a FAISS index.
 
-Passage tower modes (METHOD.md section 2):
+Passage tower modes (docs/method.md section 2):
 
 - ``"frozen"`` (default, query-side training): the passages are encoded once by a frozen copy of the
   encoder; the index never goes stale and passage embeddings are cached on disk.
 - ``"tied"``: one shared trainable encoder for both sides; the index goes stale after each update.
 - ``"trainable"``: a separate trainable passage encoder (:attr:`DenseRetriever.passage_encoder`).
 
-For the last two, ``callbacks.IndexRefresh`` re-encodes the corpus on a schedule (METHOD.md section 6).
+For the last two, ``callbacks.IndexRefresh`` re-encodes the corpus on a schedule (docs/method.md section 6).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FAISS inner-product indexes (flat / IVF / HNSW) that remember which passage encoder built them.
 
 An index built under one passage-encoder fingerprint and searched under another is *stale*
-(METHOD.md section 6): :meth:`DenseIndex.search` raises :class:`StaleIndexError` unless the caller
+(docs/method.md section 6): :meth:`DenseIndex.search` raises :class:`StaleIndexError` unless the caller
 says the staleness is intended (``allow_stale=True``).
 """
 

@@ -104,3 +104,28 @@ def test_a_batch_without_reward_variance_leaves_the_policy_untouched(tmp_path, c
     logs = _step(module, batch, "bridge")
     assert logs["policy/skipped"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in _lora(module).items())
+
+
+def test_lm_credit_scores_the_answer_after_the_context_the_policy_had(tmp_path, city_qa):
+    """ℓ_θ(d): context = prompt + trajectory up to the search (earlier observations kept) + only d + <answer>;
+    target = the gold answer's tokens alone (docs/method.md section 2)."""
+    module, batch = _module_and_batch(tmp_path, "--model.mode=bridge", "--model.credit_queries=64",
+                                      "--data.max_response_tokens=400", answers=(), qa=city_qa)
+    tok = module.policy.tokenizer
+    answer_open = tok("<answer>", add_special_tokens=False)["input_ids"]
+    target = tok(" Paris", add_special_tokens=False)["input_ids"]
+    later_searches = 0
+    for s, seq in zip(batch.credit_searches.tolist(), batch.credit_sequences, strict=True):
+        traj = int(batch.search_traj[s])
+        assert seq.target == target  # no closing tag in the scored tokens
+        context = batch.input_ids[traj, : len(seq.prefix)].tolist()
+        assert seq.prefix == context  # exactly what the policy had seen and written when it searched
+        assert tok.decode(seq.prefix).rstrip().endswith("</search>")
+        earlier = int((batch.search_traj[:s] == traj).sum())
+        response = seq.prefix[int(batch.action_mask[traj].argmax()) :]  # the instruction names the tags too
+        assert tok.decode(response).count("<information>") == earlier  # earlier observations are kept
+        later_searches += earlier > 0
+        for row, branch in zip(batch.search_candidates[s].tolist(), seq.branches, strict=True):
+            assert branch[-len(answer_open):] == answer_open
+            assert module.retriever.passage(row).title in tok.decode(branch)
+    assert later_searches > 0, "want a second search whose context holds the first observation"

@@ -9,6 +9,14 @@ callback such as ``WarmStart`` runs)::
                         keep_credit_graph=module.solver.uses_coupling)
     module.solver.step(problem, updates)
 
+Warm start: a config with a ``WarmStart`` callback (the demo's) first runs it once, in its own subprocess, and every
+later process starts from the saved adapter (``--model.policy.init_args.adapter``), so the measured iteration is
+one of a policy that searches (an untrained SmolLM2 makes no search, and then LM credit and the retriever steps
+have nothing to do). The adapter is kept in ``runs/iteration_bench/warm_<config>_seed<seed>/adapter`` and reused
+by later runs (the warm start is seeded; delete the folder to redo it); ``rollout_bench.py`` can start from it too
+(``--model.policy.init_args.adapter=...``). ``--adapter PATH`` starts from a saved adapter instead;
+``--no-warm-start`` from the config's policy as it is.
+
 Each mode runs in its own subprocess (fresh allocator) with the same config and seed, so every mode sees the same
 prompts (the first batch of the seeded training stream) and, from the same initial weights, the same rollout (the
 fingerprint of the batch's token ids is printed to show it).
@@ -20,8 +28,9 @@ one counts for the innermost, so nothing is counted twice):
 - reference: ``RLProblem._reference_logprobs`` (the KL reference forward);
 - LM credit: ``RLProblem._lm_scores``, every call (construction, ``refresh_teacher``, ``lower_loss`` with a live
   teacher);
-- policy update: the θ ``ParamUpdate`` (``step_parts``: forward and backward of the policy-loss parts and of the
-  coupling / hypergradient parts, clipping, the optimizer step);
+- policy update: the solver's θ step (``Solver._policy_steps``: building the extra loss terms, e.g. ``implicit``'s
+  hypergradient correction, and the θ ``ParamUpdate.step_parts``: forward and backward of the policy-loss parts and
+  of the coupling / correction parts, clipping, the optimizer step);
 - retriever steps: the φ and ψ ``ParamUpdate`` steps and the retriever losses ``lower_loss`` and
   ``retriever_upper_loss``, wherever they are called (also inside ``implicit``'s θ hypergradient);
 - other: the rest of the iteration (advantages, log P_φ of the shown lists at construction, solver glue).
@@ -30,6 +39,13 @@ Memory: a background thread samples the process RSS (psutil, every 5 ms) and cha
 phase running; on Linux the kernel's RSS high-water mark is also read and reset at every phase boundary, so short
 peaks between samples are not missed. A phase's peak is its highest RSS minus the baseline RSS taken after setup
 (models loaded, index built, optimizers built, the warm-up below done, freed heap returned to the OS).
+
+RSS is what the process holds, not what its tensors hold: glibc raises its mmap threshold after large frees, then
+carves tensors below it from a heap that keeps what is freed, so with the default allocator a phase's peak includes
+memory freed by the phases before it (the demo's policy update alone: 2.0-2.7 GB held for 0.56 GB of live tensors).
+``--pin-malloc`` sets ``MALLOC_MMAP_THRESHOLD_=131072`` in the children: RSS then follows the live tensors and
+per-phase peaks compare across modes, but every large allocation pays fresh page faults (that update: +44-72% time
+at a 1-4 MiB threshold), so that run's times are to be compared only with each other.
 
 Warm-up: before the baseline, one *greedy* rollout of a single prompt through the same data module. It pays the
 once-per-run costs (the engine's stop-token table, first-call kernel setup), which would otherwise land in the
@@ -85,7 +101,7 @@ LABELS = {
     "rollout": "rollout (generate + search + LM-credit inputs)",
     "reference": "reference log-probs",
     "lm_credit": "LM credit (ℓ_θ forward, all calls)",
-    "policy_update": "policy update (θ fwd/bwd + coupling + step)",
+    "policy_update": "policy update (θ fwd/bwd + coupling/correction + step)",
     "retriever_steps": "retriever steps (φ/ψ steps + their losses)",
     "other": "other (advantages, P_φ of shown lists, glue)",
 }
@@ -114,14 +130,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="torch CPU threads (default: all cores)")
     parser.add_argument("--seed", type=int, help="sets seed_everything and data.seed (default: the config's)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--pin-malloc", action="store_true",
+                        help="MALLOC_MMAP_THRESHOLD_=131072 in the children: RSS follows live tensors (slower; doc)")
     parser.add_argument("--as-is", action="store_true",
                         help="measure the first iteration exactly as a fresh run has it (no steady-state adjustments)")
     parser.add_argument("--override", metavar="ARG", help="a CLI override, e.g. --override --model.candidates=4 "
                         "(repeatable)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: a mode, or "floors"
+    parser.add_argument("--adapter", help="start every process from this saved policy adapter (no warm start)")
+    parser.add_argument("--no-warm-start", action="store_true", help="do not run the config's WarmStart first")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: a mode, "floors" or "warm"
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    parser.add_argument("--warm-out", help=argparse.SUPPRESS)  # internal: where the warm child saves the adapter
     args = parser.parse_args(rest)
     args.override = overrides
+    args.config = str(Path(args.config).resolve())  # the children run in the repository root
     if "frozen" in args.modes:  # frozen first: the other modes' ratios need it
         args.modes = ["frozen"] + [m for m in args.modes if m != "frozen"]
     return args
@@ -132,8 +154,9 @@ def child_argv(args: argparse.Namespace, child: str, out: str) -> list[str]:
             "--config", args.config, "--threads", str(args.threads)]
     if args.seed is not None:
         argv += ["--seed", str(args.seed)]
-    if args.as_is:
-        argv.append("--as-is")
+    for flag in ("as_is", "pin_malloc"):
+        if getattr(args, flag):
+            argv.append("--" + flag.replace("_", "-"))
     for override in args.override:
         argv += ["--override", override]
     return argv
@@ -154,13 +177,16 @@ class PhaseClock:
         self.stack: list[list] = []  # [phase, start, seconds spent in nested phases]
         self.measuring = False
         self._hwm = _reset_hwm()  # whether the kernel's high-water mark can be reset
+        self._lock = threading.Lock()  # the sampler thread and phase boundaries both update the peaks
 
     def current(self) -> str | None:
         return self.stack[-1][0] if self.stack else ("other" if self.measuring else None)
 
     def note(self, phase: str | None, rss: int) -> None:
-        if phase is not None and rss > self.peak[phase]:
-            self.peak[phase] = rss
+        if phase is None:
+            return
+        with self._lock:
+            self.peak[phase] = max(self.peak[phase], rss)
 
     def boundary(self) -> None:
         """Charge the high-water mark since the last boundary to the phase that ran until now."""
@@ -354,6 +380,7 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
     clock.wrap(RLProblem, "_lm_scores", "lm_credit")
     clock.wrap(RLProblem, "lower_loss", "retriever_steps")
     clock.wrap(RLProblem, "retriever_upper_loss", "retriever_steps")
+    clock.wrap(module.solver, "_policy_steps", "policy_update")
     for update, name in [(updates.policy, "policy_update"), (updates.phi, "retriever_steps"),
                          (updates.psi, "retriever_steps")]:
         if update is not None:
@@ -384,6 +411,27 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
     return {"time_s": clock.total, "peak_mb": mb(max(clock.peak.values())), "phases": phases,
             "shape": shape(batch, data) | {"reward": reward}, "notes": notes, "threads": torch.get_num_threads(),
             "dtype": str(module.policy.weight_dtype).replace("torch.", ""), "baseline_mb": baseline / 2**20}
+
+
+def run_warm(args: argparse.Namespace, adapter: str) -> dict:
+    """The config's ``WarmStart`` callbacks (no RL iteration, no evaluation), the adapter saved to ``adapter``."""
+    import torch
+
+    from bridge_pl.cli import BridgeCLI
+    from callbacks.warm_start import WarmStart
+
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    seed = [f"--seed_everything={args.seed}", f"--data.seed={args.seed}"] if args.seed is not None else []
+    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+                          f"--trainer.default_root_dir={Path(adapter).parent}",
+                          "--trainer.max_steps=0", *seed, *args.override], run=False)
+    warm = [c for c in cli.trainer.callbacks if isinstance(c, WarmStart)]
+    for callback in warm:
+        callback.evaluate, callback.save_to = False, adapter
+    if warm:
+        cli.trainer.fit(cli.model, cli.datamodule)
+    return {"adapter": adapter if warm else None, "shape": {}}
 
 
 def run_floors(args: argparse.Namespace, root: str) -> dict:
@@ -428,12 +476,18 @@ def run_floors(args: argparse.Namespace, root: str) -> dict:
 
 
 # ---- parent ----------------------------------------------------------------------------------------
-def spawn(args: argparse.Namespace, child: str, tmp: str) -> dict | None:
+def spawn(args: argparse.Namespace, child: str, tmp: str, out: str | None = None) -> dict | None:
+    """Run ``child`` in its own process; its result record (None if it failed). ``out``: the warm adapter's path."""
+    argv = child_argv(args, child, str(Path(tmp) / f"{child}.json"))
+    if out is not None:
+        argv += ["--warm-out", out]
     out = str(Path(tmp) / f"{child}.json")
     print(f"iteration_bench: running {child} ...", file=sys.stderr, flush=True)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(args.threads)}
+    if args.pin_malloc:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     start = time.perf_counter()
-    proc = subprocess.run(child_argv(args, child, out), env=env, cwd=ROOT)
+    proc = subprocess.run(argv, env=env, cwd=ROOT)
     if proc.returncode != 0 or not Path(out).is_file():
         print(f"iteration_bench: {child} failed (exit {proc.returncode})", file=sys.stderr, flush=True)
         return None
@@ -467,8 +521,12 @@ def report(args: argparse.Namespace, results: dict, floors: dict | None, load: f
         s = r["shape"]
         notes = "; ".join(r["notes"]) or "no adjustment"
         lines.append(f"- {mode}: rollout {s['fingerprint']}, {s['credit_searches']} LM-credit searches, "
-                     f"mean reward {s['reward']:.2f}; {notes}")
-    lines += [f"- load average when started: {load:.2f} (timings need an otherwise idle machine; cells are "
+                     f"mean reward {s['reward']:.2f}, baseline RSS {r['baseline_mb']:.0f} MB; {notes}")
+    allocator = ("MALLOC_MMAP_THRESHOLD_=131072 (--pin-malloc): RSS follows live tensors; slower" if args.pin_malloc
+                 else "glibc default: RSS includes freed memory the allocator keeps, so a phase's peak includes what "
+                 "the phases before it freed (--pin-malloc for comparable per-phase peaks)")
+    lines += [f"- allocator: {allocator}",
+              f"- load average when started: {load:.2f} (timings need an otherwise idle machine; cells are "
               "time / peak RSS above the post-setup baseline)", ""]
     if modes:
         lines += ["| phase | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
@@ -482,10 +540,8 @@ def report(args: argparse.Namespace, results: dict, floors: dict | None, load: f
         lines.append("| **total** | " + " | ".join(f"**{cell(results[m]['time_s'], results[m]['peak_mb'])}**"
                                                  for m in modes) + " |")
         lines += ["", "A phase called inside another counts for the innermost: LM credit inside a retriever loss or "
-                  "the θ step counts as LM credit; the retriever losses inside implicit's θ hypergradient count as "
-                  "retriever steps (its HVPs and backward stay in the policy update). '-': not run in that mode. "
-                  "Freed memory is not all returned to the OS at once, so a phase's peak RSS includes what the "
-                  "phases before it still hold; the total's peak is the iteration's.", ""]
+                  "the θ step counts as LM credit; the retriever losses inside implicit's θ correction count as "
+                  "retriever steps (its HVPs and backward stay in the policy update). '-': not run in that mode.", ""]
     if floors is not None:
         fs = floors["shape"]
         lines += [f"Floors: generate {floors['generate_s']:.2f} s (one HF generate, {floors['generate_rows']} rows x "
@@ -509,11 +565,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.child:
         with tempfile.TemporaryDirectory(prefix="iteration_bench_") as root:
-            result = run_floors(args, root) if args.child == "floors" else run_mode(args, args.child, root)
+            if args.child == "warm":
+                result = run_warm(args, args.warm_out)
+            else:
+                result = run_floors(args, root) if args.child == "floors" else run_mode(args, args.child, root)
         Path(args.child_out).write_text(json.dumps(result))
         return 0
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="iteration_bench_") as tmp:
+        adapter = args.adapter
+        seed = "config" if args.seed is None else args.seed
+        cached = ROOT / "runs" / "iteration_bench" / f"warm_{Path(args.config).stem}_seed{seed}" / "adapter"
+        if adapter is None and not args.no_warm_start:
+            if (cached / "adapter_config.json").is_file():  # the warm start is deterministic: reuse it
+                adapter = str(cached)
+            else:
+                adapter = (spawn(args, "warm", tmp, out=str(cached)) or {}).get("adapter")
+        if adapter is not None:
+            args.override.append(f"--model.policy.init_args.adapter={Path(adapter).resolve()}")
+            print(f"iteration_bench: every process starts from the policy adapter {adapter}", file=sys.stderr)
         results = {m: r for m in args.modes if (r := spawn(args, m, tmp)) is not None}
         floors = spawn(args, "floors", tmp)
     print(report(args, results, floors, load))

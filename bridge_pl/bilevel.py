@@ -353,7 +353,10 @@ class ImplicitSolver(Solver):
 
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
         logs = self._phi_steps_on_lower(problem, updates)
-        logs.update(self._policy_steps(problem, updates, extra=lambda: [self.correction_loss(problem)]))
+        # The whole θ step on the math kernel: with activation checkpointing, the backward recomputes the
+        # correction's forward, and it must see the kernel the forward saw.
+        with sdpa_kernel(SDPBackend.MATH):
+            logs.update(self._policy_steps(problem, updates, extra=lambda: [self.correction_loss(problem)]))
         return logs
 
 

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
+from bridge_pl import rl
 from bridge_pl.bilevel import ParamUpdate, Updates, make_solver
 from bridge_pl.metrics import QAMetrics
 from bridge_pl.policy import Policy
@@ -240,6 +241,7 @@ class BridgeModule(L.LightningModule):
         logs.update(
             {
                 "train/reward": float(batch.rewards.mean()),
+                "train/groups_with_signal": float(rl.groups_with_signal(batch.rewards, batch.group_ids)),
                 "train/searches": float(batch.num_searches.float().mean()),
                 "train/turns": float(batch.turns.float().mean()),
                 "train/response_tokens": float(batch.action_mask.sum(-1).mean()),

@@ -113,6 +113,22 @@ def grpo_advantages(
     return torch.where(n > 1, centered, torch.zeros_like(centered))
 
 
+def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Share of groups (of two or more samples) whose scores are not all equal: a scalar in [0, 1].
+
+    GRPO learns only from those groups (the others get advantage 0). ``scores`` and ``group_ids`` are ``[B]``.
+    """
+    _, group = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    if n_groups == 0:
+        return scores.new_zeros((), dtype=torch.float32)
+    values = scores.float()
+    low = torch.full((n_groups,), float("inf"), device=values.device).scatter_reduce(0, group, values, "amin")
+    high = torch.full((n_groups,), float("-inf"), device=values.device).scatter_reduce(0, group, values, "amax")
+    counted = torch.zeros(n_groups, device=values.device).index_add_(0, group, torch.ones_like(values)) > 1
+    return ((high > low) & counted).float().sum() / counted.float().sum().clamp(min=1)
+
+
 def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence values ``[B]`` copied onto every action token of ``[B, T]``; 0 elsewhere."""
     if seq_values.dim() != 1 or mask.dim() != 2 or seq_values.shape[0] != mask.shape[0]:

@@ -215,3 +215,10 @@ def test_entropy_from_logits():
     # one finite logit: 0.
     expected = t([1.386294, 0.562335], [0.693147, 0.0])
     torch.testing.assert_close(rl.entropy_from_logits(logits), expected, atol=1e-6, rtol=0)
+
+
+def test_groups_with_signal_counts_groups_whose_rewards_differ():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # group 3 has one sample: no baseline, not counted
+    assert float(rl.groups_with_signal(scores, groups)) == pytest.approx(1 / 3)
+    assert float(rl.groups_with_signal(torch.zeros(4), torch.tensor([5, 5, 9, 9]))) == 0.0

@@ -325,6 +325,7 @@ def shape(batch, data) -> dict:
         "trajectory_tokens": float(batch.attention_mask.sum(-1).float().mean()),
         "searches": int(batch.search_traj.numel()),
         "credit_searches": int(batch.credit_searches.numel()),
+        "credit_tokens": sum(seq.length for seq in batch.credit_sequences),
         "reward": float(batch.rewards.mean()),
         "fingerprint": hashlib.blake2b(ids.to(torch.int64).numpy().tobytes(), digest_size=4).hexdigest(),
     }
@@ -344,16 +345,13 @@ def ensure_signal(batch) -> str | None:
     """Replace the rewards by 0/1 alternating within each group when no group's rewards differ (module doc)."""
     import torch
 
-    groups = batch.group_ids.tolist()
-    rewards = batch.rewards.tolist()
-    by_group: dict[int, set] = {}
-    for g, r in zip(groups, rewards):
-        by_group.setdefault(g, set()).add(r)
-    if any(len(values) > 1 for values in by_group.values()):
+    from bridge_pl import rl
+
+    if rl.groups_with_signal(batch.rewards, batch.group_ids) > 0:
         return None
     seen: dict[int, int] = {}
     synthetic = []
-    for g in groups:
+    for g in batch.group_ids.tolist():
         synthetic.append(float(seen.get(g, 0) % 2))
         seen[g] = seen.get(g, 0) + 1
     batch.rewards = torch.tensor(synthetic, dtype=batch.rewards.dtype, device=batch.rewards.device)
@@ -514,14 +512,16 @@ def report(args: argparse.Namespace, results: dict, floors: dict | None, load: f
             f"seed {'config' if args.seed is None else args.seed}; overrides {args.override or 'none'}",
             f"- shapes: {s['trajectories']} trajectories ({s['prompts']} prompts x "
             f"{s['trajectories'] // max(1, s['prompts'])} samples), {s['sampled_tokens']:.1f} policy-sampled tokens "
-            f"and {s['trajectory_tokens']:.1f} tokens (prompt + response) per trajectory on average, "
+            f"and {s['trajectory_tokens']:.1f} tokens (prompt + response) per trajectory on average "
+            f"({s['trajectory_tokens'] * s['trajectories']:.0f} in all), "
             f"{s['searches']} searches",
         ]
     for mode, r in results.items():
         s = r["shape"]
         notes = "; ".join(r["notes"]) or "no adjustment"
-        lines.append(f"- {mode}: rollout {s['fingerprint']}, {s['credit_searches']} LM-credit searches, "
-                     f"mean reward {s['reward']:.2f}, baseline RSS {r['baseline_mb']:.0f} MB; {notes}")
+        lines.append(f"- {mode}: rollout {s['fingerprint']}, {s['credit_searches']} LM-credit searches "
+                     f"({s['credit_tokens']} packed tokens), mean reward {s['reward']:.2f}, "
+                     f"baseline RSS {r['baseline_mb']:.0f} MB; {notes}")
     allocator = ("MALLOC_MMAP_THRESHOLD_=131072 (--pin-malloc): RSS follows live tensors; slower" if args.pin_malloc
                  else "glibc default: RSS includes freed memory the allocator keeps, so a phase's peak includes what "
                  "the phases before it freed (--pin-malloc for comparable per-phase peaks)")

@@ -148,13 +148,12 @@ class BridgeModule(L.LightningModule):
             if passage_tower is not None and passage_tower is not self.retriever.query_encoder:
                 phi_towers.append(passage_tower)
             sgd_only = self.solver.lower_level_needs_sgd
+            default = (torch.optim.SGD, BRIDGE_RETRIEVER_SGD_LR) if sgd_only else (torch.optim.AdamW, 1e-5)
             for towers in [phi_towers] + ([[self.psi]] if self.psi is not None else []):
                 params = [p for tower in towers for p in tower.parameters() if p.requires_grad]
+                optimizers.append(build(make["retriever"], params, default[1], default[0]))
                 if sgd_only:
-                    optimizers.append(build(make["retriever"], params, BRIDGE_RETRIEVER_SGD_LR, torch.optim.SGD))
                     _require_sgd(optimizers[-1], self.solver.name)
-                else:
-                    optimizers.append(build(make["retriever"], params, 1e-5))
                 if make["retriever_scheduler"] is not None:
                     schedulers.append(make["retriever_scheduler"](optimizers[-1]))
         if self.value_head is not None:

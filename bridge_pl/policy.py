@@ -26,17 +26,20 @@ from bridge_pl.models import load_causal_lm, load_tokenizer
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float) -> torch.Tensor:
-    """log softmax(head(hidden)/T) gathered at ``targets``: ``[N, H], [N] -> [N]`` (float32)."""
-    logits = head(hidden).float() / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def _token_entropy(hidden: torch.Tensor, head: nn.Module, temperature: float) -> torch.Tensor:
-    """Entropy (nats) of softmax(head(hidden)/T): ``[N, H] -> [N]`` (float32)."""
+def _token_logprobs(
+    hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float, entropy: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(head(hidden)/T) gathered at ``targets``, and the entropy (nats) of that softmax, from one head
+    pass: ``[N, H], [N] -> [N], [N]`` (float32). ``entropy``: ``none`` (None), ``detached`` (a diagnostic, no grad)
+    or ``grad`` (differentiable, for an entropy bonus)."""
     logits = head(hidden).float() / temperature
     logz = torch.logsumexp(logits, dim=-1)
-    return logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    if entropy == "none":
+        return logp, None
+    if entropy == "detached":
+        logits, logz = logits.detach(), logz.detach()
+    return logp, logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 def bf16_supported() -> bool:
@@ -278,25 +281,21 @@ class Policy(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         if score_mask is None:
-            real = attention_mask.bool() if attention_mask.dim() == 2 else torch.ones_like(input_ids, dtype=torch.bool)
-            score_mask = real
+            score_mask = attention_mask if attention_mask.dim() == 2 else torch.ones_like(input_ids)
         score_mask = score_mask.bool().clone()
         score_mask[:, 0] = False  # the first token has no context
         rows, cols = score_mask.nonzero(as_tuple=True)
         states, targets = hidden[rows, cols - 1], input_ids[rows, cols]
+        mode = ("grad" if entropy_grad else "detached") if entropy else "none"
         logp_flat, ent_flat = [], []
-        differentiable = torch.is_grad_enabled() and hidden.requires_grad
         for start in range(0, len(targets), self.logprob_chunk):
-            h, tgt = states[start : start + self.logprob_chunk], targets[start : start + self.logprob_chunk]
-            if differentiable:  # the [chunk, V] logits are recomputed in backward instead of kept
-                logp_flat.append(checkpoint(_token_logprobs, h, tgt, head, temperature, use_reentrant=False))
+            chunk = (states[start : start + self.logprob_chunk], targets[start : start + self.logprob_chunk])
+            if torch.is_grad_enabled() and hidden.requires_grad:  # the [chunk, V] logits are recomputed in backward
+                lp, ent = checkpoint(_token_logprobs, *chunk, head, temperature, mode, use_reentrant=False)
             else:
-                logp_flat.append(_token_logprobs(h, tgt, head, temperature))
-            if entropy and entropy_grad and differentiable:
-                ent_flat.append(checkpoint(_token_entropy, h, head, temperature, use_reentrant=False))
-            elif entropy:
-                with torch.no_grad():
-                    ent_flat.append(_token_entropy(h, head, temperature))
+                lp, ent = _token_logprobs(*chunk, head, temperature, mode)
+            logp_flat.append(lp)
+            ent_flat.append(ent)
         logp = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
         if logp_flat:
             logp = logp.index_put((rows, cols), torch.cat(logp_flat))
@@ -314,20 +313,17 @@ class Policy(nn.Module):
         attention_mask: torch.Tensor,
         micro_batch: int = 8,
         reference: bool = False,
-        score_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, T]`` log-probs without grad, ``micro_batch`` rows at a time (bounded memory).
 
-        ``reference=True`` scores under the reference policy (:meth:`reference_mode`); ``score_mask`` as in
-        :meth:`forward`.
+        ``reference=True`` scores under the reference policy (:meth:`reference_mode`).
         """
         context = self.reference_mode() if reference else contextlib.nullcontext(None)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         with context as model:
             for start in range(0, input_ids.shape[0], micro_batch):
                 rows = slice(start, start + micro_batch)
-                mask = None if score_mask is None else score_mask[rows]
-                out[rows] = self(input_ids[rows], attention_mask[rows], model=model, score_mask=mask)[0]
+                out[rows] = self(input_ids[rows], attention_mask[rows], model=model)[0]
         return out
 
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -140,28 +140,31 @@ class RLProblem:
         """``rows`` with the trailing padding they all share trimmed."""
         return rows, slice(0, int(self.batch.attention_mask[rows].sum(-1).max()))
 
+    def _forward_rows(self, cols: tuple[slice, slice], score_mask: torch.Tensor | None = None, **kwargs):
+        """:meth:`Policy.forward` on the batch cells ``cols``, scoring the loss tokens unless ``score_mask``."""
+        batch = self.batch
+        mask = self.mask[cols] if score_mask is None else score_mask
+        return self.policy(batch.input_ids[cols], batch.attention_mask[cols], score_mask=mask, **kwargs)
+
     def _reference_logprobs(self) -> torch.Tensor | None:
         """``[B, T]`` reference log-probs on the loss tokens; None when the KL term is off or would be 0."""
         if self.cfg.kl_coef == 0 or self.policy.reference_is_current():
             return None
-        batch, out = self.batch, torch.zeros_like(self.mask)
+        out = torch.zeros_like(self.mask)
         with self.policy.reference_mode() as model:
             for rows in self._row_groups:
                 cols = self._cols(rows)
-                out[cols] = self.policy(batch.input_ids[cols], batch.attention_mask[cols], model=model,
-                                        score_mask=self.mask[cols])[0]
+                out[cols] = self._forward_rows(cols, model=model)[0]
         return out
 
     @torch.no_grad()
     def old_logprobs(self) -> torch.Tensor:
         """``[B, T]`` π_old on the loss tokens (0 elsewhere); micro-batches not yet seen get a no-grad forward."""
-        batch, out = self.batch, torch.zeros_like(self.mask)
+        out = torch.zeros_like(self.mask)
         for rows in self._row_groups:
             cols = self._cols(rows)
             if rows.start not in self._old_logprobs:
-                self._old_logprobs[rows.start] = self.policy(
-                    batch.input_ids[cols], batch.attention_mask[cols], score_mask=self.mask[cols]
-                )[0]
+                self._old_logprobs[rows.start] = self._forward_rows(cols)[0]
             out[cols] = self._old_logprobs[rows.start]
         return out
 
@@ -173,7 +176,7 @@ class RLProblem:
         values = torch.zeros_like(self.mask)
         for rows in self._row_groups:
             cols = self._cols(rows)
-            hidden = self.policy(batch.input_ids[cols], batch.attention_mask[cols], score_mask=self.mask[cols])[2]
+            hidden = self._forward_rows(cols, score_mask=torch.zeros_like(self.mask[cols]))[2]  # no LM head
             values[cols] = self.value_head(hidden.float()).squeeze(-1)
         token_rewards = torch.zeros_like(self.mask)
         last = (self.mask * torch.arange(self.mask.shape[1], device=self.mask.device)).argmax(-1)
@@ -251,14 +254,11 @@ class RLProblem:
 
         ``retriever_ratio`` ``[b]`` scales each trajectory's advantage (the retriever's off-policy weight).
         """
-        batch, cfg = self.batch, self.cfg
+        cfg = self.cfg
         cols = self._cols(rows)
         mask = self.mask[cols]
         adv = self.advantages[cols] * retriever_ratio[:, None]
-        logp, entropy, hidden = self.policy(
-            batch.input_ids[cols], batch.attention_mask[cols], score_mask=mask, entropy=True,
-            entropy_grad=bool(cfg.entropy_coef),
-        )
+        logp, entropy, hidden = self._forward_rows(cols, entropy=True, entropy_grad=bool(cfg.entropy_coef))
         old = self._old_logprobs.setdefault(rows.start, logp.detach())  # π_old: this first forward, detached
         clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
         loss = rl.policy_loss(logp, old, adv, mask, agg=cfg.loss_agg, **clip)

@@ -40,7 +40,7 @@ def _module_and_batch(tmp_path, *overrides, answers=WORDS, qa=None):
 
 
 def _step(module, batch, mode):
-    """One iteration of ``mode``'s solver on ``batch`` (AdamW from configure_optimizers, no trainer)."""
+    """One iteration of ``mode``'s solver on ``batch`` (the optimizers configure_optimizers builds; no trainer)."""
     module.solver = make_solver(mode)
     optimizers, _ = module.configure_optimizers()
     problem = RLProblem(module.policy, module.retriever, module.psi, module.value_head, batch, module.rl_config,
@@ -71,6 +71,7 @@ def test_retriever_first_and_policy_first_make_different_policy_updates(tmp_path
 
 def test_unmasked_ablation_trains_observation_tokens_from_their_real_old_logprobs(tmp_path, city_qa):
     module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", "--model.mask_observations=false", qa=city_qa)
+    module.rl_config.micro_batch_tokens = 10**6  # one micro-batch: the captured logp below covers the batch
     problem = RLProblem(module.policy, module.retriever, None, None, batch, module.rl_config)
     observations = problem.mask.bool() & (batch.action_mask == 0)
     assert observations.sum() > 50  # the ablation's loss covers retrieved tokens
@@ -84,7 +85,6 @@ def test_unmasked_ablation_trains_observation_tokens_from_their_real_old_logprob
         return logp, entropy, hidden
 
     module.policy.forward = capture
-    module.rl_config.micro_batch_tokens = 10**6  # one micro-batch: captured["logp"] covers the batch
     problem.policy_loss().backward()
     # π_old is the real policy on every loss token: the ratio starts at exactly 1, nothing is clipped
     assert problem.stats["policy/approx_kl"] == 0.0 and problem.stats["policy/clip_fraction"] == 0.0
@@ -129,3 +129,20 @@ def test_lm_credit_scores_the_answer_after_the_context_the_policy_had(tmp_path, 
             assert branch[-len(answer_open):] == answer_open
             assert module.retriever.passage(row).title in tok.decode(branch)
     assert later_searches > 0, "want a second search whose context holds the first observation"
+
+
+def test_token_budget_micro_batches_sum_to_the_full_batch_loss(tmp_path, city_qa):
+    """Micro-batching by a token budget is gradient accumulation: same loss and same gradient as one batch."""
+    module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", qa=city_qa)
+    params = module.policy.trainable_parameters()
+    results = {}
+    for budget in (10**6, 600):  # one micro-batch; about one trajectory per micro-batch
+        module.rl_config.micro_batch_tokens = budget
+        problem = RLProblem(module.policy, module.retriever, None, None, batch, module.rl_config)
+        parts = list(problem.policy_loss_parts())
+        loss = sum(parts)
+        grads = torch.autograd.grad(loss, params)
+        results[budget] = (len(parts), loss.detach(), torch.cat([g.flatten() for g in grads]))
+    assert results[10**6][0] == 1 and results[600][0] > 2
+    assert torch.allclose(results[600][1], results[10**6][1], atol=1e-6)
+    assert torch.allclose(results[600][2], results[10**6][2], atol=1e-6, rtol=1e-4)

@@ -56,7 +56,7 @@ def test_rollout_batch_masks_token_by_token():
     outcome = SearchOutcome(candidate_rows=[5, 2, 7], passage_rows=[7, 5], logprob=-1.5, passages=[])
     traj = Trajectory(
         prompt_index=0, prompt_ids=[10, 11, 12], response_ids=[20, 21, 30, 31, 32, 22],
-        action_mask=[1, 1, 0, 0, 0, 1], response_text="", searches=[SearchCall("q", 1, outcome)],
+        action_mask=[1, 1, 0, 0, 0, 1], response_text="", searches=[SearchCall("q", 1, outcome, 2)],
         turns=2, valid_actions=2, invalid_actions=0, finished=True,
     )
     short = Trajectory(
@@ -172,3 +172,18 @@ def test_bf16_update_agrees_with_fp32():
     assert cosine > 0.99
     assert abs(grads["bfloat16"].norm() / grads["float32"].norm() - 1) < 0.05
     assert (logps["float32"] - logps["bfloat16"]).abs().max() < 0.05
+
+
+def test_reference_is_current_only_while_it_computes_what_the_policy_does():
+    """The reference pass is skipped exactly when it would reproduce the policy's own log-probs."""
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
+    assert policy.reference_is_current()  # fresh adapter: every LoRA B is zero, adapter on == adapter off
+    lora_b = next(p for name, p in policy.model.named_parameters() if "lora_B" in name)
+    with torch.no_grad():
+        lora_b.add_(0.01)
+    assert not policy.reference_is_current()
+    policy.rebase_reference()  # e.g. after a warm start
+    assert policy.reference_is_current()
+    with torch.no_grad():
+        lora_b.add_(0.01)  # an RL step
+    assert not policy.reference_is_current()

@@ -47,7 +47,7 @@ class SearchCall:
     query: str
     turn: int
     outcome: SearchOutcome
-    position: int = 0
+    position: int
 
 
 @dataclass

@@ -247,6 +247,7 @@ class BridgeModule(L.LightningModule):
                 "retriever/version": float(self.retriever.version),
             }
         )
+        logs.update({f"rollout/{name}": value for name, value in batch.sampling.items()})
         self.log_dict(logs, batch_size=batch.batch_size)
         self.log("reward", logs["train/reward"], prog_bar=True, logger=False, batch_size=batch.batch_size)
 

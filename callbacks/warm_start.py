@@ -24,7 +24,7 @@ class WarmStart(L.Callback):
         steps: optimizer steps. batch_size: demonstrations per step. lr: AdamW learning rate.
         noise: probability that a demonstration's hop query is replaced by the raw question.
         source: QA source of the demonstrations (default: the datamodule's training set).
-        seed: seeds which examples are used and the noise.
+        seed: seeds which examples are used and the noise (None, the default: the datamodule's seed).
         evaluate: measure greedy EM on the validation sets before and after the warm start (printed and
             logged as ``warmstart/{before,after}/<dataset>/em``), so the run shows what RL adds on top; at the
             end of ``fit`` one line per dataset sums up before / after the warm start / last validation.
@@ -34,7 +34,7 @@ class WarmStart(L.Callback):
 
     def __init__(
         self, steps: int = 50, batch_size: int = 8, lr: float = 1e-3, noise: float = 0.3,
-        source: str | None = None, seed: int = 0, grad_clip: float = 1.0, evaluate: bool = True,
+        source: str | None = None, seed: int | None = None, grad_clip: float = 1.0, evaluate: bool = True,
         save_to: str | None = None,
     ) -> None:
         if not 0 <= noise <= 1:
@@ -56,7 +56,10 @@ class WarmStart(L.Callback):
                 scores += [exact_match(a, g) for a, g in zip(batch.answers, batch.golds)]
             self.em[when][name] = sum(scores) / max(1, len(scores))
             if trainer.logger is not None:
-                trainer.logger.log_metrics({f"warmstart/{when}/{name}/em": self.em[when][name]}, step=0)
+                metrics = {f"warmstart/{when}/{name}/em": self.em[when][name]}
+                if when == "after":  # the first point of the val/<name>/em curve: RL starts here (step 0)
+                    metrics[f"val/{name}/em"] = self.em[when][name]
+                trainer.logger.log_metrics(metrics, step=0)
             em = self.em[when][name]
             rank_zero_info(f"WarmStart: {name} EM {when} warm start = {em:.3f} ({len(scores)} questions)")
 
@@ -71,7 +74,8 @@ class WarmStart(L.Callback):
         tokenizer = policy.tokenizer
         env = SearchEnv(data.env_config, tokenizer)
         examples = data.load(self.source or data.train_source)
-        rng = random.Random(self.seed + 104729 * trainer.global_rank)
+        seed = self.seed if self.seed is not None else data.seed
+        rng = random.Random(seed + 104729 * trainer.global_rank)
         params = policy.trainable_parameters()
         optimizer = torch.optim.AdamW(params, lr=self.lr)
         was_training = policy.training
@@ -108,11 +112,13 @@ class WarmStart(L.Callback):
             self._evaluate(trainer, pl_module, "after")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
-        """Print each validation set's EM before the warm start, after it, and at the last validation."""
+        """Print each validation set's EM before the warm start, after it, and at the last validation, and
+        the gain of each phase."""
         for name, after in self.em.get("after", {}).items():
             final = trainer.callback_metrics.get(f"val/{name}/em")
             if final is not None:
+                before, final = self.em["before"][name], float(final)
                 rank_zero_info(
-                    f"WarmStart: {name} EM {self.em['before'][name]:.3f} before the warm start -> {after:.3f} after "
-                    f"it -> {float(final):.3f} after training (step {trainer.global_step})"
+                    f"WarmStart: {name} EM {before:.3f} before the warm start -> {after:.3f} after it -> {final:.3f} "
+                    f"after RL (step {trainer.global_step}): warm start {after - before:+.3f}, RL {final - after:+.3f}"
                 )

@@ -20,6 +20,7 @@ from helpers import bigram_bias
 from bridge_pl.data.qa import Passage
 from bridge_pl.models import load_causal_lm, load_tokenizer
 from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
+from bridge_pl.rollout.engine import _MIN_SHARED_PREFIX, _common_prefix_length
 
 BIAS = 30.0
 
@@ -198,12 +199,19 @@ def test_masks_token_by_token_on_a_hand_built_trajectory(model, tok, env):
     ]
 
 
-def test_kv_cache_decoding_equals_full_prefix_greedy(model, tok, env):
-    """Greedy tokens from the cached engine (left padding, holes, pruning, compaction) equal the argmax
-    of a plain full-sequence forward over the recorded prefix, at every sampled position."""
+SHARED_LEAD = "You are a careful agent. Read the question below, think, search when needed, then answer. "
+
+
+@pytest.mark.parametrize("lead", ["", SHARED_LEAD], ids=["distinct", "shared-prefix"])
+def test_kv_cache_decoding_equals_full_prefix_greedy(model, tok, env, lead):
+    """Greedy tokens from the cached engine (left padding, holes, pruning, compaction, a shared prompt
+    prefix fed once) equal the argmax of a plain full-sequence forward over the recorded prefix, at every
+    sampled position."""
     engine = RolloutEngine(env, max_turns=3, max_new_tokens_per_turn=9, max_response_tokens=1000)
     lt, sp_lt = one(tok, "<"), one(tok, " <")
-    prompts = [ids(tok, "Search please:"), ids(tok, "a somewhat longer prompt, then answer?"), ids(tok, "free")]
+    texts = ["Search please:", "a somewhat longer prompt, then answer?", "free"]
+    prompts = [ids(tok, lead + text) for text in texts]
+    assert (_common_prefix_length(prompts) >= _MIN_SHARED_PREFIX) == bool(lead)
     # prompt 0 searches every turn (then free text), prompt 1 answers at once, prompt 2 is free text
     table = grammar_table(tok) | chain([prompts[0][-1], lt]) | chain([prompts[1][-1], sp_lt])
     table[ids(tok, env.observation([]))[-1]] = {lt: BIAS}

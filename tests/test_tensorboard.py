@@ -31,6 +31,8 @@ def tiny_run(tmp_path_factory) -> tuple[BridgeCLI, Path, str]:
             "--trainer.callbacks+=callbacks.qa_eval.QAEval",
             "--trainer.callbacks+=callbacks.credit_report.CreditReport",
             "--trainer.callbacks+=callbacks.progress.BridgeProgressBar",
+            "--trainer.callbacks+=callbacks.warm_start.WarmStart",
+            "--trainer.callbacks.steps=1", "--trainer.callbacks.batch_size=1",
         ])
     return cli, Path(cli.trainer.logger.log_dir), out.getvalue()
 
@@ -48,7 +50,9 @@ def test_event_files_hold_eval_credit_and_trajectories(tiny_run):
     credit = {"retrieval_miss_rate", "reasoning_miss_rate", "failure_rate", "recall@k", "gold_id_share"}
     assert {f"credit/{n}" for n in credit} <= scalars and {f"val/world_dev/credit/{n}" for n in credit} <= scalars
     assert [e.step for e in events.Scalars("credit/failure_rate")] == [0, 1]  # every training step
-    assert len(events.Scalars("val/world_dev/em")) == 1  # one validation, after step 2
+    # the dev-EM curve: after the warm start (step 0), then the validation after iteration 2 (Lightning logs
+    # it at the step of the last training batch, 1)
+    assert [e.step for e in events.Scalars("val/world_dev/em")] == [0, 1]
     text_tag = "val/world_dev/trajectories/text_summary"
     assert text_tag in tags["tensors"]
     text = events.Tensors(text_tag)[0].tensor_proto.string_val[0].decode()

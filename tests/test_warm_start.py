@@ -78,8 +78,9 @@ def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path, caplog
         cli = fit_tiny(tmp_path / "fit", "--trainer.max_steps=1", "--trainer.val_check_interval=1", callbacks=(warm,))
     assert set(warm.em) == {"before", "after"} and set(warm.em["after"]) == {"world_dev"}
     final = float(cli.trainer.callback_metrics["val/world_dev/em"])
-    summary = (f"world_dev EM {warm.em['before']['world_dev']:.3f} before the warm start -> "
-               f"{warm.em['after']['world_dev']:.3f} after it -> {final:.3f} after training (step 1)")
+    before, after = warm.em["before"]["world_dev"], warm.em["after"]["world_dev"]
+    summary = (f"world_dev EM {before:.3f} before the warm start -> {after:.3f} after it -> {final:.3f} after RL "
+               f"(step 1): warm start {after - before:+.3f}, RL {final - after:+.3f}")
     assert summary in caplog.text
     policy = cli.model.policy
     assert policy.reference_adapter is not None  # RL's KL reference is the warm-started policy

@@ -8,8 +8,11 @@ though the loader is one batch ahead (the versions recorded in the batch prove i
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 
 import lightning as L
 import torch
@@ -42,14 +45,36 @@ def policy_text(trajectory: Trajectory, tokenizer) -> str:
 class _PromptStream(IterableDataset):
     """An endless, seeded stream of training batches (lists of examples), resumable by position.
 
-    Epoch e is a permutation seeded by ``seed + e``; rank r of w processes takes every w-th batch.
+    Epoch e is a permutation seeded by ``seed + e``; rank r of w processes takes every w-th batch. With
+    ``mixture`` ({question type: weight}, types from ``metadata["type"]``), each batch slot instead draws a
+    type by weight, then an example of that type, from an RNG seeded by ``seed`` and the batch position.
     """
 
-    def __init__(self, examples: list[QAExample], batch_size: int, seed: int, start: int, rank: int, world: int):
+    def __init__(self, examples: list[QAExample], batch_size: int, seed: int, start: int, rank: int, world: int,
+                 mixture: dict[str, float] | None = None):
         self.examples, self.batch_size, self.seed = examples, batch_size, seed
         self.start, self.rank, self.world = start, rank, world
+        self.by_type: dict[str, list[QAExample]] = {}
+        if mixture:
+            for ex in examples:
+                self.by_type.setdefault(ex.metadata.get("type"), []).append(ex)
+            missing = sorted(t for t, w in mixture.items() if w > 0 and t not in self.by_type)
+            if missing:
+                raise ValueError(f"data.type_mixture names question types the training set lacks: {missing} "
+                                 f"(it has {sorted(map(str, self.by_type))})")
+        self.mixture = {t: w for t, w in (mixture or {}).items() if w > 0}
+
+    def draw(self, rng: random.Random) -> list[QAExample]:
+        """A batch drawn at random (by type with ``mixture``, else uniformly without repeats)."""
+        if self.mixture:
+            types = rng.choices(list(self.mixture), list(self.mixture.values()), k=self.batch_size)
+            return [rng.choice(self.by_type[t]) for t in types]
+        return rng.sample(self.examples, min(self.batch_size, len(self.examples)))
 
     def _batches(self) -> Iterator[list[QAExample]]:
+        if self.mixture:
+            for position in itertools.count():
+                yield self.draw(random.Random(f"{self.seed}/mixture/{position}"))
         per_epoch = max(1, len(self.examples) // self.batch_size)
         epoch = 0
         while True:
@@ -76,11 +101,17 @@ class RolloutDataModule(L.LightningDataModule):
         batch_size: prompts per training iteration; ``n_samples`` trajectories each (a GRPO group).
         eval_batch_size: prompts per evaluation batch (greedy, one trajectory each).
         max_turns, max_new_tokens_per_turn, max_response_tokens, temperature, top_p: rollout settings.
+        filter_groups: DAPO dynamic sampling: train only on groups whose rewards differ (the others have
+            GRPO advantage 0), refilling from fresh prompts; ``max_sampling_rounds`` bounds the rollouts per
+            iteration (1: filter without refilling). See :meth:`_sample_groups`.
+        type_mixture: training prompts drawn by question type (``metadata["type"]``, e.g. the world's
+            ``single`` / ``bridge`` / ``comparison``) with these weights, instead of epochs over the set.
         env: tag names, templates and token budgets (default: Search-R1's).
         reward: the reward function (default exact match).
         instruction: prompt template with ``{question}``.
         use_chat_template: wrap the prompt in the tokenizer's chat template when it has one.
-        seed: seeds the prompt order and the sampling (retrieval and generation).
+        seed: seeds the prompt order and the sampling (retrieval and generation); None (default): the run's
+            ``seed_everything`` (so one ``--seed_everything=N`` reseeds the whole run), 0 if it has none.
     """
 
     def __init__(
@@ -97,11 +128,14 @@ class RolloutDataModule(L.LightningDataModule):
         max_response_tokens: int = 512,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        filter_groups: bool = False,
+        max_sampling_rounds: int = 1,
+        type_mixture: dict[str, float] | None = None,
         env: EnvConfig | None = None,
         reward: RewardFunction | None = None,
         instruction: str = INSTRUCTION,
         use_chat_template: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if "{question}" not in instruction:
@@ -110,19 +144,30 @@ class RolloutDataModule(L.LightningDataModule):
         self.val_sources = dict(val) if val is not None else {"world_dev": "world/dev"}
         self.test_sources = dict(test) if test is not None else {"world_test": "world/test"}
         self.max_eval_examples = max_eval_examples
+        if max_sampling_rounds < 1:
+            raise ValueError(f"data.max_sampling_rounds must be >= 1, got {max_sampling_rounds}")
         self.batch_size, self.n_samples, self.eval_batch_size = batch_size, n_samples, eval_batch_size
+        self.filter_groups, self.max_sampling_rounds = filter_groups, max_sampling_rounds
+        if type_mixture is not None and (any(w < 0 for w in type_mixture.values()) or sum(type_mixture.values()) <= 0):
+            raise ValueError(f"data.type_mixture needs weights >= 0 with a positive sum, got {type_mixture}")
+        self.type_mixture = type_mixture
         self.engine_args = dict(
             max_turns=max_turns, max_new_tokens_per_turn=max_new_tokens_per_turn,
             max_response_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
         )
         self.env_config = env or EnvConfig()
         self.reward = reward or ExactMatchReward()
-        self.instruction, self.use_chat_template, self.seed = instruction, use_chat_template, seed
+        self.instruction, self.use_chat_template, self._seed = instruction, use_chat_template, seed
         self.consumed = 0  # training batches generated so far (the resumable data position)
         self._sets: dict[str, list[QAExample]] = {}
         self._engine: RolloutEngine | None = None
         self._generator: torch.Generator | None = None
         self._generator_state: torch.Tensor | None = None  # restored from a checkpoint, applied lazily
+
+    @property
+    def seed(self) -> int:
+        """``data.seed``, or the seed Lightning's ``seed_everything`` set for this run (0 without one)."""
+        return self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     # ---- data -----------------------------------------------------------------------------------
     def load(self, source: str, limit: int | None = None) -> list[QAExample]:
@@ -130,11 +175,14 @@ class RolloutDataModule(L.LightningDataModule):
             self._sets[source] = load_qa(source)
         return self._sets[source][:limit] if limit is not None else self._sets[source]
 
-    def train_dataloader(self) -> DataLoader:
+    def _stream(self) -> _PromptStream:
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        stream = _PromptStream(self.load(self.train_source), self.batch_size, self.seed, self.consumed, rank, world)
-        return DataLoader(stream, batch_size=None)
+        return _PromptStream(self.load(self.train_source), self.batch_size, self.seed, self.consumed, rank, world,
+                             self.type_mixture)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._stream(), batch_size=None)
 
     def _eval_loaders(self, sources: dict[str, str]) -> list[DataLoader]:
         return [
@@ -196,9 +244,38 @@ class RolloutDataModule(L.LightningDataModule):
     def rollout(self, module, examples: list[QAExample], training: bool, dataset: str) -> RolloutBatch:
         """Generate trajectories for ``examples`` with ``module``'s current policy and retriever.
 
-        Training: ``n_samples`` sampled trajectories per prompt with Plackett-Luce retrieval; else greedy
-        generation with deterministic top-k retrieval.
+        Training: ``n_samples`` sampled trajectories per prompt with Plackett-Luce retrieval (and, with
+        ``filter_groups``, dynamic sampling: see :meth:`_sample_groups`); else greedy generation with
+        deterministic top-k retrieval.
         """
+        if training:
+            trajectories, per_traj, rewards, sampling = self._sample_groups(module, examples)
+        else:
+            trajectories = self._generate(module, examples, training=False)
+            per_traj = [examples[t.prompt_index] for t in trajectories]
+            rewards, sampling = self._rewards(module, trajectories, per_traj), {}
+        tokenizer = module.policy.tokenizer
+        answer_tags = dict(open_tag=f"<{self.env_config.answer_tag}>", close_tag=f"</{self.env_config.answer_tag}>")
+        batch = RolloutBatch.from_trajectories(
+            trajectories,
+            pad_token_id=tokenizer.pad_token_id,
+            answers=[extract_answer(policy_text(t, tokenizer), **answer_tags) for t in trajectories],
+            rewards=rewards,
+            golds=[ex.golden_answers for ex in per_traj],
+            questions=[ex.question for ex in per_traj],
+            example_ids=[ex.id for ex in per_traj],
+            metadata=[ex.metadata for ex in per_traj],
+            policy_version=int(module.policy_version),
+            retriever_version=module.retriever.version,
+            dataset=dataset,
+            sampling=sampling,
+        )
+        if training and module.solver.trains_retriever:
+            self._add_credit_sequences(batch, trajectories, per_traj, module, tokenizer)
+        return batch
+
+    def _generate(self, module, examples: list[QAExample], training: bool) -> list[Trajectory]:
+        """Roll out the policy on ``examples``: ``n_samples`` sampled trajectories each, or one greedy."""
         policy = module.policy
         tokenizer = policy.tokenizer
         if self._engine is None:
@@ -208,37 +285,60 @@ class RolloutDataModule(L.LightningDataModule):
             )
             if self._generator_state is not None:
                 self._generator.set_state(self._generator_state)
-        prompts = [self.prompt_ids(tokenizer, ex.question) for ex in examples]
-        n = self.n_samples if training else 1
-        trajectories = self._engine.generate(
-            policy.model, tokenizer, prompts,
+        return self._engine.generate(
+            policy.model, tokenizer, [self.prompt_ids(tokenizer, ex.question) for ex in examples],
             search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
-            n_samples=n, greedy=not training, generator=self._generator,
+            n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
         )
-        per_traj = [examples[t.prompt_index] for t in trajectories]
-        answer_tags = dict(open_tag=f"<{self.env_config.answer_tag}>", close_tag=f"</{self.env_config.answer_tag}>")
-        # Answers and rewards read only what the policy wrote: env messages quote the answer tags too.
-        written = [policy_text(t, tokenizer) for t in trajectories]
-        batch = RolloutBatch.from_trajectories(
-            trajectories,
-            pad_token_id=tokenizer.pad_token_id,
-            answers=[extract_answer(text, **answer_tags) for text in written],
-            rewards=[self.reward(text, ex.golden_answers) for text, ex in zip(written, per_traj)],
-            golds=[ex.golden_answers for ex in per_traj],
-            questions=[ex.question for ex in per_traj],
-            example_ids=[ex.id for ex in per_traj],
-            metadata=[ex.metadata for ex in per_traj],
-            policy_version=int(module.policy_version),
-            retriever_version=module.retriever.version,
-            dataset=dataset,
-        )
-        if training and module.solver.trains_retriever:
-            self._add_credit_sequences(batch, trajectories, prompts, per_traj, module, tokenizer)
-        return batch
+
+    def _rewards(self, module, trajectories: list[Trajectory], per_traj: list[QAExample]) -> list[float]:
+        # Rewards read only what the policy wrote: env messages quote the answer tags too.
+        tokenizer = module.policy.tokenizer
+        return [self.reward(policy_text(t, tokenizer), ex.golden_answers) for t, ex in zip(trajectories, per_traj)]
+
+    def _sample_groups(self, module, examples: list[QAExample]):
+        """The training groups: ``(trajectories, example per trajectory, rewards, sampling stats)``.
+
+        Without ``filter_groups``: one group of ``n_samples`` per prompt. With it (DAPO's dynamic sampling):
+        groups whose rewards are all equal carry no GRPO signal and are dropped; while fewer than
+        ``batch_size`` groups are kept, ``batch_size`` fresh training prompts are drawn (seeded by the data
+        position and the round, so resumes repeat them) and sampled, for at most ``max_sampling_rounds``
+        rounds. If no group has signal, the first round is kept as it is (the θ step is then skipped, the
+        retriever still learns). Stats: ``sampled_groups``, ``sampled_groups_with_signal`` (share, before
+        filtering), ``sampling_rounds``.
+        """
+        kept: list[list[tuple[Trajectory, QAExample, float]]] = []
+        first: list[list[tuple[Trajectory, QAExample, float]]] = []
+        sampled = with_signal = rounds = 0
+        prompts = examples
+        while True:
+            trajectories = self._generate(module, prompts, training=True)
+            per_traj = [prompts[t.prompt_index] for t in trajectories]
+            rewards = self._rewards(module, trajectories, per_traj)
+            groups: dict[int, list[tuple[Trajectory, QAExample, float]]] = {}
+            for item in zip(trajectories, per_traj, rewards):
+                groups.setdefault(item[0].prompt_index, []).append(item)
+            rounds += 1
+            sampled += len(groups)
+            signal = [g for g in groups.values() if len({r for _, _, r in g}) > 1]
+            with_signal += len(signal)
+            first = first or list(groups.values())
+            if not self.filter_groups:
+                kept = list(groups.values())
+                break
+            kept += signal
+            if len(kept) >= self.batch_size or rounds >= self.max_sampling_rounds:
+                break
+            prompts = self._stream().draw(random.Random(f"{self.seed}/refill/{self.consumed}/{rounds}"))
+        if self.filter_groups:
+            kept = kept[: self.batch_size] or first
+        flat = [(replace(t, prompt_index=g), ex, r) for g, group in enumerate(kept) for t, ex, r in group]
+        stats = {"sampled_groups": float(sampled), "sampled_groups_with_signal": with_signal / max(1, sampled),
+                 "sampling_rounds": float(rounds)}
+        return [t for t, _, _ in flat], [ex for _, ex, _ in flat], [r for _, _, r in flat], stats
 
     def _add_credit_sequences(
-        self, batch: RolloutBatch, trajectories: list[Trajectory], prompts: list[list[int]],
-        examples: list[QAExample], module, tokenizer,
+        self, batch: RolloutBatch, trajectories: list[Trajectory], examples: list[QAExample], module, tokenizer,
     ) -> None:
         """For up to ``credit_queries`` search calls, the packed LM-credit sequence (docs/method.md section 2).
 
@@ -262,7 +362,7 @@ class RolloutDataModule(L.LightningDataModule):
         for s in chosen:
             t, call = calls[s]
             traj = trajectories[t]
-            prefix = prompts[traj.prompt_index] + traj.response_ids[: call.position]
+            prefix = traj.prompt_ids + traj.response_ids[: call.position]
             branches = [
                 ids(env.observation([module.retriever.passage(row)])) + answer_open if row >= 0 else answer_open
                 for row in batch.search_candidates[s].tolist()

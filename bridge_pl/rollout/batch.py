@@ -49,6 +49,7 @@ class RolloutBatch:
     policy_version: int
     retriever_version: int
     dataset: str = "train"
+    sampling: dict[str, float] = field(default_factory=dict)  # rollout-side stats (dynamic sampling), logged
     # LM credit (docs/method.md section 2): the search calls scored by the policy, and for each of them one
     # packed sequence: its context, one branch per candidate slot (that passage alone), the gold answer.
     credit_searches: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -87,6 +88,7 @@ class RolloutBatch:
         policy_version: int,
         retriever_version: int,
         dataset: str = "train",
+        sampling: dict[str, float] | None = None,
     ) -> RolloutBatch:
         """Pad trajectories (from :class:`~bridge_pl.rollout.engine.RolloutEngine`) into a batch."""
         B = len(trajectories)
@@ -134,4 +136,5 @@ class RolloutBatch:
             policy_version=policy_version,
             retriever_version=retriever_version,
             dataset=dataset,
+            sampling=dict(sampling or {}),
         )

@@ -9,9 +9,10 @@ problem of docs/method.md section 8 in the tests. The module never branches on t
 from __future__ import annotations
 
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -65,12 +66,18 @@ class ParamUpdate:
         backward: how to backpropagate a loss (Lightning's ``manual_backward`` in the module).
         clip_norm: max global grad norm for this optimizer's parameters (None: no clipping).
         on_step: called after every step (e.g. bump the retriever version).
+        name: what this update trains (``policy``, ``phi``, ``psi``), for the non-finite report.
+
+    A non-finite loss or gradient norm skips the step: the gradients are dropped, the weights and the
+    optimizer state stay as they were, ``on_step`` is not called, and ``nonfinite`` records what went bad.
     """
 
     optimizer: torch.optim.Optimizer
     backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
     clip_norm: float | None = None
     on_step: Callable[[], None] | None = None
+    name: str = ""
+    nonfinite: list[str] = field(default_factory=list)  # e.g. ["loss", "grad"] of skipped steps
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -91,12 +98,25 @@ class ParamUpdate:
             if part.requires_grad:  # a term with no data (e.g. no searches this batch) has no graph
                 self.backward(part)
             total += float(part.detach())
+        if not math.isfinite(total):
+            self._skip("loss")
+            return total, float("nan")
         return total, self.apply_grads(lr_scale)
 
+    def _skip(self, what: str) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite.append(what)
+
     def apply_grads(self, lr_scale: float = 1.0) -> float:
-        """Clip and step on gradients already in ``.grad``; returns the grad norm before clipping."""
+        """Clip and step on gradients already in ``.grad``; returns the grad norm before clipping.
+
+        A non-finite norm (a NaN or inf anywhere in the gradients) skips the step (class docstring).
+        """
         grads = [p for p in self.params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(grads, self.clip_norm or float("inf")) if grads else torch.zeros(())
+        if not torch.isfinite(norm):
+            self._skip("grad")
+            return float(norm)
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["lr"] = group["lr"] * lr_scale
@@ -116,6 +136,10 @@ class Updates:
     policy: ParamUpdate
     phi: ParamUpdate | None = None
     psi: ParamUpdate | None = None
+
+    def nonfinite(self) -> dict[str, list[str]]:
+        """The updates that skipped a step for a non-finite loss or gradient: {name: ["loss" | "grad", ...]}."""
+        return {u.name: list(u.nonfinite) for u in (self.policy, self.phi, self.psi) if u is not None and u.nonfinite}
 
 
 class Solver(ABC):
@@ -284,7 +308,8 @@ class BridgeSolver(Solver):
         lam = self.lam.value
         logs.update(self._policy_steps(problem, updates, extra=lambda: problem.coupling_loss_parts(lam)))
         logs["lambda"] = lam
-        self.lam.advance()
+        if not updates.nonfinite():  # an iteration with a skipped (non-finite) update leaves λ where it was
+            self.lam.advance()
         return logs
 
     def state_dict(self) -> dict[str, float]:

@@ -14,6 +14,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from bridge_pl import rl
@@ -25,6 +26,10 @@ from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.credit import gumbel_topk, plackett_luce_logprob, topk_order
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchOutcome
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many iterations in a row had a non-finite loss or gradient (``model.max_nonfinite_skips``)."""
 
 
 class BridgeModule(L.LightningModule):
@@ -45,6 +50,9 @@ class BridgeModule(L.LightningModule):
         lam_init, lam_delta, lam_max: the ``bridge`` penalty schedule λ_t.
         neumann_steps, neumann_lr: the ``implicit`` mode's Neumann series.
         grad_clip_policy, grad_clip_retriever: max grad norm per optimizer (None: no clipping).
+        max_nonfinite_skips: an update whose loss or gradient is not finite is skipped (weights, optimizer
+            state and λ untouched; warned and logged as ``nonfinite/skipped``); this many iterations in a row
+            with such a skip stop the run with :class:`NonFiniteTrainingError`.
         The remaining arguments are :class:`~bridge_pl.problem.RLConfig` fields.
     """
 
@@ -87,6 +95,7 @@ class BridgeModule(L.LightningModule):
         teacher_temperature: float = 1.0,
         mask_observations: bool = True,
         micro_batch_tokens: int = 4096,
+        max_nonfinite_skips: int = 3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "retriever"])
@@ -99,6 +108,9 @@ class BridgeModule(L.LightningModule):
         self.strict_loading = False  # checkpoints hold what trains, not the frozen base weights
         if top_k > candidates:
             raise ValueError(f"model.top_k ({top_k}) must be <= model.candidates ({candidates})")
+        if max_nonfinite_skips < 1:
+            raise ValueError(f"model.max_nonfinite_skips must be >= 1, got {max_nonfinite_skips}")
+        self._nonfinite_streak = 0  # iterations in a row that skipped an update for a non-finite value
         self.policy = policy
         self.retriever = retriever
         self.rl_config = RLConfig(
@@ -178,12 +190,12 @@ class BridgeModule(L.LightningModule):
         critic_opt = opts.pop() if self.value_head is not None else None
         if critic_opt is not None:  # the critic head trains in the same backward as the policy
             policy_opt = _JointOptimizer([policy_opt, critic_opt])
-        policy = ParamUpdate(policy_opt, backward, hp.grad_clip_policy)
+        policy = ParamUpdate(policy_opt, backward, hp.grad_clip_policy, name="policy")
         phi = psi = None
         if opts:
-            phi = ParamUpdate(opts[0], backward, hp.grad_clip_retriever, self.retriever.bump_version)
+            phi = ParamUpdate(opts[0], backward, hp.grad_clip_retriever, self.retriever.bump_version, name="phi")
         if len(opts) > 1:
-            psi = ParamUpdate(opts[1], backward, hp.grad_clip_retriever)
+            psi = ParamUpdate(opts[1], backward, hp.grad_clip_retriever, name="psi")
         return Updates(policy=policy, phi=phi, psi=psi)
 
     # ---- retrieval during rollouts ---------------------------------------------------------------
@@ -231,7 +243,9 @@ class BridgeModule(L.LightningModule):
             )
         problem = RLProblem(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config,
                             keep_credit_graph=self.solver.uses_coupling)
-        logs = self.solver.step(problem, self._updates())
+        updates = self._updates()
+        logs = self.solver.step(problem, updates)
+        logs["nonfinite/skipped"] = self._guard_nonfinite(updates.nonfinite())
         self.policy_version += 1
         self._count_iteration()
         for scheduler in self._schedulers():
@@ -250,6 +264,27 @@ class BridgeModule(L.LightningModule):
         logs.update({f"rollout/{name}": value for name, value in batch.sampling.items()})
         self.log_dict(logs, batch_size=batch.batch_size)
         self.log("reward", logs["train/reward"], prog_bar=True, logger=False, batch_size=batch.batch_size)
+
+    def _guard_nonfinite(self, bad: dict[str, list[str]]) -> float:
+        """Report updates skipped for a non-finite loss or gradient; stop after ``max_nonfinite_skips`` in a row.
+
+        Returns 1.0 if this iteration skipped one (the ``nonfinite/skipped`` metric), else 0.0.
+        """
+        if not bad:
+            self._nonfinite_streak = 0
+            return 0.0
+        self._nonfinite_streak += 1
+        what = ", ".join(f"{name} ({' and '.join(sorted(set(kinds)))})" for name, kinds in bad.items())
+        message = (f"step {self.trainer.global_step if self._trainer else 0}: non-finite {what}; "
+                   "those updates were skipped (weights, optimizer state and λ unchanged)")
+        if self._nonfinite_streak >= self.hparams.max_nonfinite_skips:
+            raise NonFiniteTrainingError(
+                f"{message}. That is {self._nonfinite_streak} iterations in a row (model.max_nonfinite_skips="
+                f"{self.hparams.max_nonfinite_skips}): stopping. Lower the learning rates, check the rewards and "
+                "the data, or resume from the last checkpoint."
+            )
+        rank_zero_warn(message)
+        return 1.0
 
     def _count_iteration(self) -> None:
         """Advance ``trainer.global_step`` by exactly one per iteration, however many inner steps ran."""

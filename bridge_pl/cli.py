@@ -1,5 +1,8 @@
 """``bridge-pl``: a thin ``main()`` over LightningCLI (fit / validate / test / predict) plus ``world``.
 
+Errors end the command with one line on stderr naming what is wrong (exit status 1; option errors found while
+parsing: usage and exit status 2); ``BRIDGE_PL_DEBUG=1`` shows the Python traceback instead.
+
 ``bridge-pl world --out DIR [--seed N]`` writes the built-in synthetic world as FlashRAG-style jsonl.
 """
 
@@ -18,6 +21,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from bridge_pl.data.datamodule import RolloutDataModule
 from bridge_pl.module import BridgeModule
 
+DEBUG_ENV = "BRIDGE_PL_DEBUG"  # set to 1: errors show their Python traceback
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes checkpoints to a temp file and renames it into place; loads with ``weights_only=True``."""
@@ -33,6 +38,45 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
+# Ranges checked when the config is parsed, before any model loads: option -> (test, what it must be).
+_AT_LEAST_ONE = (
+    "data.batch_size", "data.n_samples", "data.eval_batch_size", "data.max_turns", "data.max_new_tokens_per_turn",
+    "data.max_response_tokens", "data.max_sampling_rounds", "model.candidates", "model.top_k", "model.credit_queries",
+    "model.phi_steps", "model.psi_steps", "model.policy_epochs", "model.micro_batch_tokens",
+    "model.max_nonfinite_skips", "model.neumann_steps",
+)
+_POSITIVE = ("data.temperature", "model.retrieval_temperature", "model.teacher_temperature", "model.neumann_lr",
+             "model.clip_low", "model.clip_high")
+_NON_NEGATIVE = ("model.kl_coef", "model.entropy_coef", "model.lam_init", "model.lam_delta", "model.lam_max",
+                 "model.value_coef")
+_RULES: dict[str, tuple[Any, str]] = {
+    **{key: (lambda v: v >= 1, "an integer >= 1") for key in _AT_LEAST_ONE},
+    **{key: (lambda v: v > 0, "> 0") for key in _POSITIVE},
+    **{key: (lambda v: v >= 0, ">= 0") for key in _NON_NEGATIVE},
+    "data.max_eval_examples": (lambda v: v >= 1, "null (all) or an integer >= 1"),
+    "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "model.gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "model.gae_lambda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
+
+
+def config_problems(config) -> list[str]:
+    """What is wrong with a parsed ``fit``/``validate``/... config (ranges and cross-field rules), as messages
+    that name the option; empty when it is fine. Runs before any class is instantiated."""
+    problems = []
+    for key, (ok, requirement) in _RULES.items():
+        value = config.get(key)
+        if value is not None and not ok(value):  # None: an optional setting left unset
+            problems.append(f"{key} must be {requirement}, got {value!r}")
+    top_k, candidates = config.get("model.top_k"), config.get("model.candidates")
+    if top_k is not None and candidates is not None and top_k > candidates:
+        problems.append(f"model.top_k ({top_k}) must be <= model.candidates ({candidates})")
+    lam_init, lam_max = config.get("model.lam_init"), config.get("model.lam_max")
+    if lam_init is not None and lam_max is not None and lam_init > lam_max:
+        problems.append(f"model.lam_init ({lam_init}) must be <= model.lam_max ({lam_max})")
+    return problems
+
+
 class BridgeCLI(LightningCLI):
     """LightningCLI with bridge-pl's defaults: the run's config saved with overwrite, atomic checkpoints."""
 
@@ -41,7 +85,19 @@ class BridgeCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)  # two optimizers come from model init args
         super().__init__(BridgeModule, RolloutDataModule, *args, **kwargs)
 
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        problems = config_problems(config)
+        if problems:
+            self.parser.error("; ".join(problems))
+
     def instantiate_trainer(self, **kwargs):
+        # When a command runs, data errors surface here, before the trainer (and its run directory) exists:
+        # the QA sets the command reads, and the retriever's corpus (read lazily otherwise).
+        if self.subcommand is not None and isinstance(self.datamodule, RolloutDataModule):
+            self.datamodule.load_sources(self.subcommand)
+        if self.subcommand is not None and isinstance(self.model, BridgeModule):
+            self.model.retriever.passages  # noqa: B018 - the property reads and checks the corpus
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # sharded strategies keep their own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -68,10 +124,17 @@ def world_main(argv: list[str]) -> None:
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``bridge-pl`` command (returns None: the console script exits with status 0)."""
     argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == ["world"]:
-        world_main(argv[1:])
-    else:
-        BridgeCLI(args=args)  # None: LightningCLI reads sys.argv itself
+    try:
+        if argv[:1] == ["world"]:
+            world_main(argv[1:])
+        else:
+            BridgeCLI(args=args, parser_kwargs={"allow_abbrev": False})  # None: LightningCLI reads sys.argv
+    except Exception as error:  # one line for the user; the traceback on request
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        sys.stderr.write(f"bridge-pl: error: {type(error).__name__}: {error}\n"
+                         f"(set {DEBUG_ENV}=1 to see the traceback)\n")
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
+from typing import Literal
 
 import lightning as L
 import numpy as np
@@ -26,6 +27,8 @@ from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.credit import gumbel_topk, plackett_luce_logprob, topk_order
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchOutcome
+
+Mode = Literal["frozen", "policy_first", "retriever_first", "bridge", "implicit"]  # the solvers of bilevel.SOLVERS
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -60,8 +63,8 @@ class BridgeModule(L.LightningModule):
         self,
         policy: Policy,
         retriever: Retriever,
-        mode: str = "bridge",
-        algorithm: str = "grpo",
+        mode: Mode = "bridge",
+        algorithm: Literal["grpo", "ppo"] = "grpo",
         policy_optimizer: OptimizerCallable | None = None,
         retriever_optimizer: OptimizerCallable | None = None,
         critic_optimizer: OptimizerCallable | None = None,
@@ -84,9 +87,11 @@ class BridgeModule(L.LightningModule):
         clip_high: float = 0.2,
         dual_clip: float | None = None,
         kl_coef: float = 0.001,
-        kl_kind: str = "k3",
+        kl_kind: Literal["k1", "k2", "k3"] = "k3",
         entropy_coef: float = 0.0,
-        loss_agg: str = "token-mean",
+        loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+            "token-mean"
+        ),
         scale_by_std: bool = True,
         gamma: float = 1.0,
         gae_lambda: float = 1.0,

@@ -49,3 +49,16 @@ def test_config_saved_without_clobber_error_on_rerun(tmp_path):
         main(["fit", "--config", str(CONFIGS / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
               "--trainer.max_steps=1"])
     assert list(tmp_path.rglob("config.yaml"))
+
+
+def test_the_closed_choices_of_the_module_match_the_implementations():
+    from typing import get_args, get_type_hints
+
+    from bridge_pl import rl
+    from bridge_pl.bilevel import SOLVERS
+    from bridge_pl.module import BridgeModule, Mode
+
+    assert set(get_args(Mode)) == set(SOLVERS)
+    hints = get_type_hints(BridgeModule.__init__)
+    assert set(get_args(hints["kl_kind"])) == set(rl.KL_KINDS)
+    assert set(get_args(hints["loss_agg"])) == set(rl.AGG_MODES)

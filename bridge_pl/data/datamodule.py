@@ -175,6 +175,12 @@ class RolloutDataModule(L.LightningDataModule):
             self._sets[source] = load_qa(source)
         return self._sets[source][:limit] if limit is not None else self._sets[source]
 
+    def load_sources(self, stage: str) -> None:
+        """Load (and so check) every QA set ``stage`` (``fit``, ``validate``, ``test``, ``predict``) reads."""
+        sources = {"fit": [self.train_source, *self.val_sources.values()], "validate": list(self.val_sources.values())}
+        for source in sources.get(stage, list(self.test_sources.values())):
+            self.load(source)
+
     def _stream(self) -> _PromptStream:
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)

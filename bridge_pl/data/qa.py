@@ -42,6 +42,7 @@ class DataFormatError(ValueError):
     """A malformed QA or corpus file; the message names ``file:line``, the field and what was expected."""
 
 
+MAX_RECORD_CHARS = 1_000_000  # one QA example or passage per line; longer lines are rejected, not truncated
 _ANSWER_FIELDS = ("golden_answers", "answers", "answer")  # first one present wins; see read_qa
 
 
@@ -64,7 +65,14 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path}:row {i}", row
         return
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise DataFormatError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); save the file as UTF-8"
+        ) from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -76,6 +84,11 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        if len(line) > MAX_RECORD_CHARS:
+            raise DataFormatError(
+                f"{path}:{lineno}: a record of {len(line):,} characters, over the {MAX_RECORD_CHARS:,}-character "
+                "limit for one QA example or passage (is this one object per line?)"
+            )
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
@@ -148,6 +161,8 @@ def read_qa(path: str | Path) -> list[QAExample]:
         ex = _qa_example(loc, index, row)
         _check_unique(loc, ex.id, seen)
         examples.append(ex)
+    if not examples:
+        raise DataFormatError(f"{path}: no QA examples (the file is empty)")
     return examples
 
 
@@ -196,6 +211,8 @@ def read_corpus(path: str | Path) -> list[Passage]:
         p = _passage(loc, row)
         _check_unique(loc, p.id, seen)
         passages.append(p)
+    if not passages:
+        raise DataFormatError(f"{path}: no passages (the file is empty)")
     return passages
 
 

@@ -1,0 +1,120 @@
+"""Bad input, tried as a user would through ``bridge-pl fit``: each case must end with a non-zero exit, a message
+that names the option or the file:line and field, no Python traceback, and no run directory left behind.
+
+Option errors (keys, types, choices, ranges, cross-field rules, class paths, config files) are caught while the
+config is parsed, before any model loads; data-file errors before the trainer (and its log directory) exists.
+"""
+
+import json
+
+import pytest
+from helpers import TINY
+
+from bridge_pl.cli import main
+
+OPTION_CASES = {
+    "negative batch size": (["--data.batch_size=-1"], "data.batch_size must be an integer >= 1"),
+    "zero samples per prompt": (["--data.n_samples=0"], "data.n_samples"),
+    "zero eval batch": (["--data.eval_batch_size=0"], "data.eval_batch_size"),
+    "zero turns": (["--data.max_turns=0"], "data.max_turns"),
+    "zero response budget": (["--data.max_response_tokens=0"], "data.max_response_tokens"),
+    "zero eval examples": (["--data.max_eval_examples=0"], "data.max_eval_examples"),
+    "zero sampling rounds": (["--data.max_sampling_rounds=0"], "data.max_sampling_rounds"),
+    "top_p above one": (["--data.top_p=1.5"], "data.top_p must be in (0, 1]"),
+    "zero temperature": (["--data.temperature=0"], "data.temperature must be > 0"),
+    "top_k above candidates": (["--model.top_k=9"], "model.top_k (9) must be <= model.candidates (4)"),
+    "zero candidates": (["--model.candidates=0", "--model.top_k=0"], "model.candidates"),
+    "negative kl": (["--model.kl_coef=-0.1"], "model.kl_coef must be >= 0"),
+    "lambda above its cap": (["--model.lam_init=20"], "model.lam_init (20.0) must be <= model.lam_max (10.0)"),
+    "gamma above one": (["--model.gamma=2"], "model.gamma"),
+    "zero token budget": (["--model.micro_batch_tokens=0"], "model.micro_batch_tokens"),
+    "zero retrieval temperature": (["--model.retrieval_temperature=0"], "model.retrieval_temperature"),
+    "mode typo": (["--model.mode=brige"], "model.mode"),
+    "unknown algorithm": (["--model.algorithm=dpo"], "model.algorithm"),
+    "unknown kl estimator": (["--model.kl_kind=k4"], "model.kl_kind"),
+    "unknown loss aggregation": (["--model.loss_agg=sum"], "model.loss_agg"),
+    "abbreviated trainer key": (["--trainer.max_step=3"], "--trainer.max_step"),
+    "unknown model key": (["--model.nonsense=1"], "--model.nonsense"),
+    "wrong type": (["--data.batch_size=two"], "data.batch_size"),
+    "unknown retriever class": (["--model.retriever.class_path=no.such.Retriever"], "no.such.Retriever"),
+    "unknown policy model": (["--model.policy.init_args.model=no-such-model"], "no-such-model"),
+    "negative type mixture weight": (['--data.type_mixture={"single": -1}'], "data.type_mixture"),
+}
+
+
+def _run(tmp_path, capfd, *args: str) -> str:
+    root = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, f"--trainer.default_root_dir={root}", "--trainer.max_steps=1"])
+    out, err = capfd.readouterr()
+    text = out + err
+    assert exit_info.value.code not in (0, None), text
+    assert "Traceback" not in text
+    assert not root.exists(), "a failed run must leave no run directory behind"
+    return text
+
+
+@pytest.mark.parametrize("args, message", OPTION_CASES.values(), ids=OPTION_CASES.keys())
+def test_a_bad_option_is_named_before_anything_runs(tmp_path, capfd, args, message):
+    assert message in _run(tmp_path, capfd, "--config", TINY, *args)
+
+
+def test_a_missing_config_file_is_named(tmp_path, capfd):
+    assert "missing.yaml" in _run(tmp_path, capfd, "--config", str(tmp_path / "missing.yaml"))
+
+
+def test_a_config_file_with_a_yaml_syntax_error_is_named(tmp_path, capfd):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  mode: [bridge\n")
+    assert "bad.yaml" in _run(tmp_path, capfd, "--config", str(bad))
+
+
+def _jsonl(path, *rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+QA = {"id": "a", "question": "Which city?", "golden_answers": ["Paris"]}
+QA_CASES = {
+    "missing answers": ([{"id": "a", "question": "Q?"}], ":1: field 'golden_answers' is missing"),
+    "question not a string": ([QA, {"id": "b", "question": 5, "golden_answers": ["x"]}], ":2: field 'question'"),
+    "empty answer list": ([{**QA, "golden_answers": []}], ":1: field 'golden_answers'"),
+    "invalid json": ([QA, '{"id": "b", "question": "Q?"'], ":2: invalid JSON"),
+    "duplicate ids": ([QA, QA], ":2: field 'id' duplicates id 'a'"),
+    "not an object": ([QA, "[1, 2]"], ":2: expected a JSON object"),
+    "empty file": ([], ": no QA examples (the file is empty)"),
+    "huge line": ([{**QA, "question": "x" * 1_200_000}], ":1: a record of 1,200,"),
+}
+
+
+@pytest.mark.parametrize("rows, message", QA_CASES.values(), ids=QA_CASES.keys())
+def test_a_bad_qa_file_is_named_with_line_and_field(tmp_path, capfd, rows, message):
+    path = _jsonl(tmp_path / "qa.jsonl", *rows)
+    assert path + message in _run(tmp_path, capfd, "--config", TINY, f"--data.train={path}")
+
+
+def test_a_non_utf8_qa_file_is_named_with_its_line(tmp_path, capfd):
+    path = tmp_path / "qa.jsonl"
+    path.write_bytes(json.dumps(QA).encode() + b'\n{"id": "b", "question": "\xff"}\n')
+    assert f"{path}:2: not UTF-8 text" in _run(tmp_path, capfd, "--config", TINY, f"--data.train={path}")
+
+
+def test_a_missing_qa_file_is_named(tmp_path, capfd):
+    assert "nope.jsonl" in _run(tmp_path, capfd, "--config", TINY, f"--data.train={tmp_path / 'nope.jsonl'}")
+
+
+PASSAGE = {"id": "p1", "contents": '"Paris"\nParis is a city.'}
+CORPUS_CASES = {
+    "missing contents": ([{"id": "p1", "title": "Paris"}], ":1: field 'contents' is missing"),
+    "missing id": ([{"contents": "x"}], ":1: field 'id' is missing"),
+    "duplicate passage ids": ([PASSAGE, PASSAGE], ":2: field 'id' duplicates id 'p1'"),
+    "invalid json": ([PASSAGE, "{oops"], ":2: invalid JSON"),
+    "empty corpus": ([], ": no passages (the file is empty)"),
+}
+
+
+@pytest.mark.parametrize("rows, message", CORPUS_CASES.values(), ids=CORPUS_CASES.keys())
+def test_a_bad_corpus_is_named_with_line_and_field(tmp_path, capfd, rows, message):
+    path = _jsonl(tmp_path / "corpus.jsonl", *rows)
+    text = _run(tmp_path, capfd, "--config", TINY, f"--model.retriever.init_args.corpus={path}")
+    assert path + message in text

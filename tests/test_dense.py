@@ -1,9 +1,11 @@
 """DenseRetriever with the tiny-bert encoder on a handful of passages."""
 
 import copy
+import logging
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,3 +160,27 @@ def test_bad_rows_are_named(frozen):
         frozen.score(QUERIES, torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="corpus size"):
         frozen.score(QUERIES[:1], torch.tensor([[len(PASSAGES)]]))
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "truncated", "digest missing"])
+def test_a_damaged_embedding_cache_is_reported_and_rebuilt_never_used(tmp_path, caplog, damage):
+    first = make(tmp_path)
+    first.prepare()
+    [cache] = (tmp_path / "emb").glob("*.npy")
+    if damage == "random bytes":  # same size, header kept: np.load would read garbage silently
+        raw = cache.read_bytes()
+        cache.write_bytes(raw[:128] + np.random.default_rng(0).bytes(len(raw) - 128))
+    elif damage == "truncated":
+        cache.write_bytes(cache.read_bytes()[:100])
+    else:
+        cache.with_name(cache.name + ".b2").unlink()
+    second = make(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        second.prepare()
+    assert str(cache) in caplog.text and "rebuilding" in caplog.text
+    assert second.encoded_passages == len(PASSAGES)  # re-encoded, not loaded
+    for a, b in zip(first.search(QUERIES, 3), second.search(QUERIES, 3), strict=True):
+        assert torch.equal(a, b)
+    third = make(tmp_path)  # the rebuilt cache is whole again
+    third.prepare()
+    assert third.encoded_passages == 0

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from bridge_pl.data.qa import Passage
 from bridge_pl.retrieval.base import Retriever
-from bridge_pl.retrieval.index import INDEX_KINDS, DenseIndex, atomic_write
+from bridge_pl.retrieval.index import INDEX_KINDS, DenseIndex, is_verified, write_verified
 
 log = logging.getLogger(__name__)
 
@@ -329,20 +329,20 @@ class DenseRetriever(Retriever):
     def _build(self, use_cache: bool) -> None:
         fp = self.fingerprint()
         emb_path = self._cache_root() / f"{fp}.npy"
-        if use_cache and emb_path.is_file():
+        if use_cache and _usable_cache(emb_path, "passage embedding"):
             log.info("passage embedding cache hit: %s", emb_path)
             emb = np.load(emb_path, mmap_mode="r")
         else:
             emb = self._encode_corpus()
             if use_cache:
-                atomic_write(emb_path, lambda f: np.save(f, emb))
+                write_verified(emb_path, lambda f: np.save(f, emb))
                 log.info("cached passage embeddings: %s", emb_path)
         options = {"kind": self.index_kind, **self.index_options}
         index_path = None
         if use_cache and self.index_kind != "flat":  # a flat index is just the embeddings again
             key = hashlib.blake2b(json.dumps(options, sort_keys=True).encode(), digest_size=8).hexdigest()
             index_path = self._cache_root() / f"{fp}.{self.index_kind}-{key}.index.npz"
-        if index_path is not None and index_path.is_file():
+        if index_path is not None and _usable_cache(index_path, "index"):
             index = DenseIndex.load(index_path, device=self.device)
         else:
             index = DenseIndex.build(emb, fingerprint=fp, device=self.device, **options)
@@ -427,3 +427,15 @@ class DenseRetriever(Retriever):
         top = fresh.topk(k, dim=1)
         rows = cand.gather(1, top.indices)
         return top.values, rows.masked_fill(top.values == float("-inf"), -1)
+
+
+def _usable_cache(path: Path, what: str) -> bool:
+    """Whether a cache file exists and matches its digest; a damaged one is reported, removed and rebuilt."""
+    if not path.exists():
+        return False
+    if is_verified(path):
+        return True
+    log.warning("%s cache %s is damaged or was not completely written (its checksum does not match); "
+                "rebuilding it", what, path)
+    path.unlink(missing_ok=True)
+    return False

@@ -7,6 +7,7 @@ says the staleness is intended (``allow_stale=True``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -49,6 +50,36 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".b2")
+
+
+def file_digest(path: str | Path) -> str:
+    """BLAKE2b hex digest of a file's bytes (read in 16 MiB chunks)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_verified(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
+    """:func:`atomic_write`, then a ``<name>.b2`` digest beside it; :func:`is_verified` checks the pair.
+
+    A write killed between the two leaves a file without a digest, which counts as damaged.
+    """
+    path = atomic_write(path, write)
+    digest = file_digest(path)
+    atomic_write(_digest_path(path), lambda f: f.write(digest.encode()))
+    return path
+
+
+def is_verified(path: str | Path) -> bool:
+    """Whether ``path`` and its digest (see :func:`write_verified`) exist and agree."""
+    path, digest = Path(path), _digest_path(Path(path))
+    return path.is_file() and digest.is_file() and digest.read_text().strip() == file_digest(path)
 
 
 def topk_overlap(rows_a: torch.Tensor, rows_b: torch.Tensor) -> float:
@@ -225,7 +256,7 @@ class DenseIndex:
             raise RuntimeError("cannot save an empty index")
         blob = faiss.serialize_index(self._cpu)
         meta = np.frombuffer(json.dumps(self._meta()).encode(), np.uint8)
-        return atomic_write(path, lambda f: np.savez(f, index=blob, meta=meta))
+        return write_verified(path, lambda f: np.savez(f, index=blob, meta=meta))
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu") -> DenseIndex:

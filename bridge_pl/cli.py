@@ -30,6 +30,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a process killed mid-write
+            stale.unlink(missing_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         torch.save(checkpoint, tmp)
         os.replace(tmp, path)
@@ -99,6 +101,9 @@ class BridgeCLI(LightningCLI):
         if self.subcommand is not None and isinstance(self.model, BridgeModule):
             self.model.retriever.passages  # noqa: B018 - the property reads and checks the corpus
         trainer = super().instantiate_trainer(**kwargs)
+        for callback in trainer.checkpoint_callbacks:  # one fixed place per run dir, so `--ckpt_path last` finds it
+            if getattr(callback, "dirpath", "") is None:
+                callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # sharded strategies keep their own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer

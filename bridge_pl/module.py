@@ -363,12 +363,17 @@ class BridgeModule(L.LightningModule):
             "solver": self.solver.state_dict(),
             "rng": _rng_state(),
         }
+        index_tower = getattr(self.retriever, "index_tower_state", lambda: None)()
+        if index_tower is not None:  # a trained passage tower: the weights behind the (maybe stale) index
+            checkpoint["bridge"]["index_tower"] = index_tower
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("bridge", {})
         self.solver.load_state_dict(state.get("solver", {}) or self.solver.state_dict())
         if "rng" in state:
             _set_rng_state(state["rng"])
+        if "index_tower" in state:
+            self.retriever.restore_index(state["index_tower"])
 
 
 BRIDGE_RETRIEVER_SGD_LR = 0.5  # φ/ψ's default SGD step in ``bridge`` mode (φ's is then scaled by 1/(1+λ))

@@ -76,6 +76,7 @@ class IndexRefresh(pl.Callback):
         self.last_refresh_step = 0
         self.refreshes = 0
         self._said_noop = False
+        self._resumed = False  # state restored from a checkpoint (load_state_dict)
 
     @staticmethod
     def _check_schedule(schedule: list[list[int]]) -> list[tuple[int, int]]:
@@ -123,12 +124,24 @@ class IndexRefresh(pl.Callback):
             retriever.rerank_stale, retriever.rerank_factor = True, self.over_retrieve
         else:
             retriever.allow_stale = True
-        if retriever.index.fingerprint != retriever.fingerprint():  # e.g. weights loaded from a checkpoint
+        if self._resumed:
+            # The checkpoint restored the index as it was (BridgeModule keeps the weights it was encoded
+            # with) and this callback's schedule: carry on exactly as the interrupted run would have.
+            pass
+        elif retriever.index.fingerprint != retriever.fingerprint():  # e.g. weights loaded from an adapter
             rank_zero_info("IndexRefresh: the index predates the passage tower's weights; rebuilding it now.")
             retriever.refresh_index()
         if self.probe_queries is None:
             self.probe_queries = [p.title or p.text[:200] for p in retriever.passages[: self.probe_size]]
-        self.last_refresh_step = trainer.global_step
+        if not self._resumed:
+            self.last_refresh_step = trainer.global_step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_refresh_step": self.last_refresh_step, "refreshes": self.refreshes}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.last_refresh_step, self.refreshes = state_dict["last_refresh_step"], state_dict["refreshes"]
+        self._resumed = True
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
         if self.retriever is not None and self.due(trainer.global_step):

@@ -1,21 +1,30 @@
 """Plug-ins defined outside the package, named in YAML by ``class_path`` (no code change in bridge_pl).
 
-HashedBagRetriever: a retriever. DistinctWordsReward: a reward.
+HashedBagRetriever: a retriever. DistinctWordsReward: a reward. StepLog, KillAt, SearchSteer: callbacks for the
+fault-injection test (a per-iteration loss log that survives SIGKILL; a SIGKILL at a chosen point of the run;
+the tiny policy steered to search).
 
 Hashed bag-of-words towers: the query tower is a trainable ``EmbeddingBag``; passage vectors come from
 a frozen copy of its initial weights. Brute-force inner-product search (no FAISS), to show the seam
 needs nothing but the :class:`~bridge_pl.retrieval.base.Retriever` interface.
 """
 
+import json
+import os
 import re
+import signal
 import zlib
 
+import lightning as L
 import torch
 from torch import nn
 
+from bridge_pl.bilevel import ParamUpdate
 from bridge_pl.data.sources import load_corpus
 from bridge_pl.retrieval.base import Retriever
+from bridge_pl.retrieval.dense import DenseRetriever
 from bridge_pl.rewards import RewardFunction
+from bridge_pl.rollout.engine import RolloutEngine
 
 
 class HashedBagEncoder(nn.Module):
@@ -73,3 +82,66 @@ class DistinctWordsReward(RewardFunction):
 
     def __call__(self, response: str, golds: list[str]) -> float:
         return min(1.0, len(set(re.findall(r"\w+", response))) / 20)
+
+
+class StepLog(L.Callback):
+    """Appends ``{"step": n, <loss/... and grad_norm/...>: value}`` per finished iteration to a jsonl file
+    (flushed and synced, so it survives SIGKILL)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("loss/", "grad_norm/"))}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, **metrics}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class KillAt(L.Callback):
+    """SIGKILLs this process at the ``count``-th (1-based) pass through ``point``, as a crash would:
+
+    ``rollout`` (an env step between two generated turns), ``update`` (an optimizer step, before it applies),
+    ``checkpoint`` (a checkpoint file written to its temp name, not yet renamed into place), ``validation``
+    (a validation batch), ``refresh`` (an index rebuild, before the new index is in place).
+    """
+
+    def __init__(self, point: str, count: int = 1) -> None:
+        self.point, self.count, self.seen = point, count, 0
+        targets = {
+            "rollout": (RolloutEngine, "_env_step"),
+            "update": (ParamUpdate, "apply_grads"),
+            "refresh": (DenseRetriever, "refresh_index"),
+            "checkpoint": (os, "replace"),
+        }
+        if point in targets:
+            owner, name = targets[point]
+            original = getattr(owner, name)
+
+            def wrapped(*args, **kwargs):
+                if point != "checkpoint" or str(args[1]).endswith(".ckpt"):
+                    self._tick()
+                return original(*args, **kwargs)
+
+            setattr(owner, name, wrapped)
+
+    def _tick(self) -> None:
+        self.seen += 1
+        if self.seen == self.count:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.point == "validation":
+            self._tick()
+
+
+class SearchSteer(L.Callback):
+    """Steers the random tiny policy to issue searches for the whole fit (``helpers.searching``), so a
+    subprocess run trains the retriever on real searches as the in-process tests do."""
+
+    def on_fit_start(self, trainer, pl_module):
+        from helpers import searching
+
+        self._steer = searching(pl_module.policy)
+        self._steer.__enter__()

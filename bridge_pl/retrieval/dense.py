@@ -249,6 +249,7 @@ class DenseRetriever(Retriever):
         self.train()  # one mode for all submodules (from_pretrained leaves the encoder in eval mode)
         self._emb: np.ndarray | None = None  # [N, D] passage embeddings (memory-mapped on a cache hit)
         self._index: DenseIndex | None = None
+        self._index_tower_state: dict[str, torch.Tensor] | None = None  # see index_tower_state()
 
     # ---- corpus -------------------------------------------------------------------------------
     @property
@@ -349,6 +350,27 @@ class DenseRetriever(Retriever):
             if index_path is not None:
                 index.save(index_path)
         self._emb, self._index = emb, index
+        if self.passage_tower_trains:  # what a resumed run needs to rebuild this very (later stale) index
+            self._index_tower_state = {k: v.detach().to("cpu", copy=True)
+                                       for k, v in self._passage_side().state_dict().items()}
+
+    def index_tower_state(self) -> dict[str, torch.Tensor] | None:
+        """The passage-tower weights the current index was encoded with (``None`` for a frozen tower).
+
+        Between refreshes a trained tower moves on while the index stays as it was built; checkpoints keep
+        these weights so that a resumed run rebuilds the same index (:meth:`restore_index`).
+        """
+        return self._index_tower_state
+
+    def restore_index(self, tower_state: dict[str, torch.Tensor]) -> None:
+        """Rebuild the index as encoded by a passage tower with ``tower_state``; the live tower is unchanged."""
+        tower = self._passage_side()
+        live = {k: v.detach().clone() for k, v in tower.state_dict().items()}
+        tower.load_state_dict(tower_state)
+        try:
+            self._build(use_cache=False)
+        finally:
+            tower.load_state_dict(live)
 
     def prepare(self) -> None:
         """Encode the corpus (or load the cached embeddings) and build the index; idempotent."""

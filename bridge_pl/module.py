@@ -376,7 +376,7 @@ class BridgeModule(L.LightningModule):
             self.retriever.restore_index(state["index_tower"])
 
 
-BRIDGE_RETRIEVER_SGD_LR = 0.5  # φ/ψ's default SGD step in ``bridge`` mode (φ's is then scaled by 1/(1+λ))
+BRIDGE_RETRIEVER_SGD_LR = 0.05  # φ/ψ's default SGD step in ``bridge`` mode (φ's is then scaled by 1/(1+λ))
 
 
 def _require_sgd(optimizer: torch.optim.Optimizer, mode: str) -> None:
@@ -387,7 +387,7 @@ def _require_sgd(optimizer: torch.optim.Optimizer, mode: str) -> None:
             f"got {type(optimizer).__name__}. The penalty method's 1/(1+λ) step rule holds for SGD steps; an "
             "adaptive optimizer normalises the gradient's scale away, loses track of the lower-level solution as λ "
             "grows, and the coupling term multiplies that error by λ (the toy problem of docs/method.md section 8 "
-            "diverges under Adam). Use e.g. {class_path: torch.optim.SGD, init_args: {lr: 0.5}}."
+            "diverges under Adam). Use e.g. {class_path: torch.optim.SGD, init_args: {lr: 0.05}}."
         )
 
 

@@ -76,3 +76,13 @@ def test_a_bad_type_mixture_is_refused(tmp_path, mixture, message):
     with pytest.raises(ValueError, match=message):
         cli = tiny_cli(tmp_path, f"--data.type_mixture={mixture}")
         next(iter(cli.datamodule.train_dataloader()))
+
+
+def test_bridge_trains_end_to_end_on_filtered_batches(tmp_path):
+    from helpers import fit_tiny
+
+    cli = fit_tiny(tmp_path, "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--data.filter_groups=true",
+                   "--data.max_sampling_rounds=2", "--data.n_samples=4", "--data.reward=plugins.DistinctWordsReward")
+    metrics = cli.trainer.callback_metrics
+    assert cli.trainer.global_step == 2 and float(metrics["train/groups_with_signal"]) == 1.0
+    assert 0 < float(metrics["rollout/sampled_groups_with_signal"]) <= 1 and float(metrics["policy/skipped"]) == 0

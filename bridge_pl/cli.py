@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -126,9 +127,31 @@ def world_main(argv: list[str]) -> None:
         print(f"{name}: {path}")
 
 
+def _config_file_problem(argv: list[str]) -> str | None:
+    """A missing or unparsable ``--config`` / ``-c`` file, named with the line of a YAML error; else None."""
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        if not Path(path).is_file():
+            return f"config file {path}: no such file"
+        try:
+            yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else path
+            return f"config file {where}: YAML syntax error ({getattr(err, 'problem', None) or err})"
+        except UnicodeDecodeError:
+            return f"config file {path}: not UTF-8 text"
+    return None
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``bridge-pl`` command (returns None: the console script exits with status 0)."""
     argv = sys.argv[1:] if args is None else list(args)
+    problem = _config_file_problem(argv)
+    if problem is not None:
+        sys.stderr.write(f"bridge-pl: error: {problem}\n")
+        raise SystemExit(2)
     try:
         if argv[:1] == ["world"]:
             world_main(argv[1:])

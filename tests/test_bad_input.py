@@ -60,13 +60,14 @@ def test_a_bad_option_is_named_before_anything_runs(tmp_path, capfd, args, messa
 
 
 def test_a_missing_config_file_is_named(tmp_path, capfd):
-    assert "missing.yaml" in _run(tmp_path, capfd, "--config", str(tmp_path / "missing.yaml"))
+    assert f"config file {tmp_path / 'missing.yaml'}: no such file" in _run(
+        tmp_path, capfd, "--config", str(tmp_path / "missing.yaml"))
 
 
 def test_a_config_file_with_a_yaml_syntax_error_is_named(tmp_path, capfd):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  mode: [bridge\n")
-    assert "bad.yaml" in _run(tmp_path, capfd, "--config", str(bad))
+    assert f"config file {bad}:3: YAML syntax error" in _run(tmp_path, capfd, "--config", str(bad))
 
 
 def _jsonl(path, *rows) -> str:

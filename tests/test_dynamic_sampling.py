@@ -56,9 +56,10 @@ def test_when_no_round_finds_signal_the_first_round_is_kept(tmp_path, mixed_qa):
     assert batch.sampling["sampling_rounds"] == 2 and batch.sampling["sampled_groups_with_signal"] == 0
 
 
-def test_max_sampling_rounds_must_be_positive(tmp_path, mixed_qa):
-    with pytest.raises(ValueError, match="data.max_sampling_rounds"):
+def test_max_sampling_rounds_must_be_positive(tmp_path, mixed_qa, capsys):
+    with pytest.raises(SystemExit):  # refused while parsing, before anything loads
         tiny_cli(tmp_path, f"--data.train={mixed_qa}", "--data.max_sampling_rounds=0")
+    assert "data.max_sampling_rounds must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_type_mixture_draws_training_prompts_by_question_type(tmp_path):

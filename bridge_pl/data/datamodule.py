@@ -255,18 +255,17 @@ class RolloutDataModule(L.LightningDataModule):
         deterministic top-k retrieval.
         """
         if training:
-            trajectories, per_traj, rewards, sampling = self._sample_groups(module, examples)
+            trajectories, per_traj, scores, sampling = self._sample_groups(module, examples)
         else:
             trajectories = self._generate(module, examples, training=False)
             per_traj = [examples[t.prompt_index] for t in trajectories]
-            rewards, sampling = self._rewards(module, trajectories, per_traj), {}
+            scores, sampling = self._score(module, trajectories, per_traj), {}
         tokenizer = module.policy.tokenizer
-        answer_tags = dict(open_tag=f"<{self.env_config.answer_tag}>", close_tag=f"</{self.env_config.answer_tag}>")
         batch = RolloutBatch.from_trajectories(
             trajectories,
             pad_token_id=tokenizer.pad_token_id,
-            answers=[extract_answer(policy_text(t, tokenizer), **answer_tags) for t in trajectories],
-            rewards=rewards,
+            answers=[answer for answer, _ in scores],
+            rewards=[reward for _, reward in scores],
             golds=[ex.golden_answers for ex in per_traj],
             questions=[ex.question for ex in per_traj],
             example_ids=[ex.id for ex in per_traj],
@@ -297,13 +296,19 @@ class RolloutDataModule(L.LightningDataModule):
             n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
         )
 
-    def _rewards(self, module, trajectories: list[Trajectory], per_traj: list[QAExample]) -> list[float]:
-        # Rewards read only what the policy wrote: env messages quote the answer tags too.
+    def _score(
+        self, module, trajectories: list[Trajectory], per_traj: list[QAExample]
+    ) -> list[tuple[str | None, float]]:
+        """(extracted answer, reward) per trajectory, from one decode of what the policy wrote (env messages
+        quote the answer tags too, so they are left out)."""
         tokenizer = module.policy.tokenizer
-        return [self.reward(policy_text(t, tokenizer), ex.golden_answers) for t, ex in zip(trajectories, per_traj)]
+        tags = dict(open_tag=f"<{self.env_config.answer_tag}>", close_tag=f"</{self.env_config.answer_tag}>")
+        written = [policy_text(t, tokenizer) for t in trajectories]
+        return [(extract_answer(text, **tags), self.reward(text, ex.golden_answers))
+                for text, ex in zip(written, per_traj)]
 
     def _sample_groups(self, module, examples: list[QAExample]):
-        """The training groups: ``(trajectories, example per trajectory, rewards, sampling stats)``.
+        """The training groups: ``(trajectories, example per trajectory, (answer, reward) per trajectory, stats)``.
 
         Without ``filter_groups``: one group of ``n_samples`` per prompt. With it (DAPO's dynamic sampling):
         groups whose rewards are all equal carry no GRPO signal and are dropped; while fewer than
@@ -313,20 +318,20 @@ class RolloutDataModule(L.LightningDataModule):
         retriever still learns). Stats: ``sampled_groups``, ``sampled_groups_with_signal`` (share, before
         filtering), ``sampling_rounds``.
         """
-        kept: list[list[tuple[Trajectory, QAExample, float]]] = []
-        first: list[list[tuple[Trajectory, QAExample, float]]] = []
+        kept: list[list[tuple[Trajectory, QAExample, tuple[str | None, float]]]] = []
+        first: list[list[tuple[Trajectory, QAExample, tuple[str | None, float]]]] = []
         sampled = with_signal = rounds = 0
         prompts = examples
         while True:
             trajectories = self._generate(module, prompts, training=True)
             per_traj = [prompts[t.prompt_index] for t in trajectories]
-            rewards = self._rewards(module, trajectories, per_traj)
-            groups: dict[int, list[tuple[Trajectory, QAExample, float]]] = {}
-            for item in zip(trajectories, per_traj, rewards):
+            scores = self._score(module, trajectories, per_traj)
+            groups: dict[int, list[tuple[Trajectory, QAExample, tuple[str | None, float]]]] = {}
+            for item in zip(trajectories, per_traj, scores):
                 groups.setdefault(item[0].prompt_index, []).append(item)
             rounds += 1
             sampled += len(groups)
-            signal = [g for g in groups.values() if len({r for _, _, r in g}) > 1]
+            signal = [g for g in groups.values() if len({reward for _, _, (_, reward) in g}) > 1]
             with_signal += len(signal)
             first = first or list(groups.values())
             if not self.filter_groups:

@@ -1,7 +1,7 @@
 """Train each solver mode on the world with the same seeds and budget; compare test metrics and dev-EM curves.
 
 Variants: ``frozen`` (Search-R1), ``policy_first``, ``retriever_first``, ``bridge``, and ``unmasked``
-(``bridge`` trained on retrieved tokens too, ``model.mask_observations=false``). Every step runs in its own
+(``bridge`` trained on retrieved tokens too, ``model.rl.mask_observations=false``). Every step runs in its own
 subprocess. Per seed, the config's ``WarmStart`` runs once (``<runs>/warm_seed<seed>``: the adapter and the dev EM
 after it, the curves' step 0); every variant of that seed then starts from that adapter (``policy.adapter``), so
 the variants differ only in what happens after it. Each (variant, seed) is one ``fit`` + ``test``; it records
@@ -33,17 +33,18 @@ from pathlib import Path
 
 import lightning as L
 
+from bridge_pl.bilevel import mode_arguments
 from bridge_pl.cli import BridgeCLI
 from callbacks.credit_report import CreditReport
 from callbacks.warm_start import WarmStart
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    "frozen": ["--model.mode=frozen"],
-    "policy_first": ["--model.mode=policy_first"],
-    "retriever_first": ["--model.mode=retriever_first"],
-    "bridge": ["--model.mode=bridge"],
-    "unmasked": ["--model.mode=bridge", "--model.mask_observations=false"],
+    "frozen": mode_arguments("frozen"),
+    "policy_first": mode_arguments("policy_first"),
+    "retriever_first": mode_arguments("retriever_first"),
+    "bridge": mode_arguments("bridge"),
+    "unmasked": [*mode_arguments("bridge"), "--model.rl.mask_observations=false"],
 }
 WARM = "warm"  # the per-seed warm start's run folder and worker name
 # table column -> test metric name under test/<dataset>/

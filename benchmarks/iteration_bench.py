@@ -5,8 +5,7 @@ CLI builds it (``BridgeCLI(..., run=False)``: the config's module and data modul
 callback such as ``WarmStart`` runs)::
 
     batch = datamodule.rollout(module, examples, training=True, dataset="train")
-    problem = RLProblem(module.policy, module.retriever, module.psi, module.value_head, batch, module.rl_config,
-                        keep_credit_graph=module.solver.uses_coupling)
+    problem = module.problem(batch)
     module.solver.step(problem, updates)
 
 Warm start: a config with a ``WarmStart`` callback (the demo's) first runs it once, in its own subprocess, and every
@@ -73,7 +72,7 @@ Usage (timings need an otherwise idle machine)::
 
     python benchmarks/iteration_bench.py                                   # configs/demo.yaml, a few minutes
     python benchmarks/iteration_bench.py --config tests/configs/tiny.yaml --threads 1 --json /tmp/it.json
-    python benchmarks/iteration_bench.py --modes frozen bridge --override --model.credit_queries=4
+    python benchmarks/iteration_bench.py --modes frozen bridge --override --model.retrieval.credit_queries=4
 """
 
 from __future__ import annotations
@@ -134,8 +133,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="MALLOC_MMAP_THRESHOLD_=131072 in the children: RSS follows live tensors (slower; doc)")
     parser.add_argument("--as-is", action="store_true",
                         help="measure the first iteration exactly as a fresh run has it (no steady-state adjustments)")
-    parser.add_argument("--override", metavar="ARG", help="a CLI override, e.g. --override --model.candidates=4 "
-                        "(repeatable)")
+    parser.add_argument("--override", metavar="ARG", help="a CLI override, e.g. --override "
+                        "--model.retrieval.candidates=4 (repeatable)")
     parser.add_argument("--adapter", help="start every process from this saved policy adapter (no warm start)")
     parser.add_argument("--no-warm-start", action="store_true", help="do not run the config's WarmStart first")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: a mode, "floors" or "warm"
@@ -291,13 +290,14 @@ def build(args: argparse.Namespace, mode: str, root: str):
     """The config's module and data module for ``mode``, as the CLI builds them; the retriever index ready."""
     import torch
 
+    from bridge_pl.bilevel import mode_arguments
     from bridge_pl.cli import BridgeCLI
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # our own flags are in sys.argv
     seed = [f"--seed_everything={args.seed}", f"--data.seed={args.seed}"] if args.seed is not None else []
     cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false", f"--trainer.default_root_dir={root}",
-                          *seed, *args.override, f"--model.mode={mode}"], run=False)
+                          *seed, *args.override, *mode_arguments(mode)], run=False)
     cli.datamodule.trainer = cli.trainer
     cli.model.setup("fit")  # the retriever encodes (or loads) the corpus and builds its index
     cli.model.train()  # as during fit (the rollout engine switches to eval and back itself)
@@ -394,8 +394,7 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
         if not args.as_is:
             notes += [n for n in [ensure_signal(batch)] if n]
         with clock.measure():
-            problem = RLProblem(module.policy, module.retriever, module.psi, module.value_head, batch,
-                                module.rl_config, keep_credit_graph=module.solver.uses_coupling)
+            problem = module.problem(batch)
             logs = module.solver.step(problem, updates)
     if logs.get("policy/skipped"):
         notes.append("the solver skipped the θ update (no reward signal)")

@@ -12,11 +12,13 @@ import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Protocol
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bridge_pl.config import SolverConfig
 
 
 class BilevelProblem(Protocol):
@@ -152,6 +154,7 @@ class Solver(ABC):
     """
 
     name: str = ""
+    settings: ClassVar[tuple[str, ...]] = ("phi_steps", "policy_epochs")  # the SolverConfig fields __init__ takes
     trains_retriever: bool = True
     needs_psi: bool = False
     uses_coupling: bool = False  # the θ step backpropagates through the LM-credit scores
@@ -202,6 +205,7 @@ class FrozenSolver(Solver):
     """``frozen`` (Search-R1): the retriever is fixed; policy RL only."""
 
     name = "frozen"
+    settings = ("policy_epochs",)
     trains_retriever = False
 
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
@@ -264,6 +268,7 @@ class BridgeSolver(Solver):
     """
 
     name = "bridge"
+    settings = ("phi_steps", "psi_steps", "policy_epochs", "lam_init", "lam_delta", "lam_max")
     needs_psi = True
     uses_coupling = True
     lower_level_needs_sgd = True
@@ -332,6 +337,7 @@ class ImplicitSolver(Solver):
     """
 
     name = "implicit"
+    settings = ("phi_steps", "policy_epochs", "neumann_steps", "neumann_lr")
 
     def __init__(
         self, phi_steps: int = 1, policy_epochs: int = 1, neumann_steps: int = 5, neumann_lr: float = 0.1
@@ -390,12 +396,43 @@ SOLVERS: dict[str, type[Solver]] = {
 }
 
 
-def make_solver(mode: str, **kwargs) -> Solver:
-    """The solver for ``mode``. Settings the chosen solver does not use (λ in ``frozen``) are ignored."""
+# SolverConfig fields the module applies in every mode (the retriever's clip only where the retriever trains).
+_MODULE_SETTINGS = ("grad_clip_policy", "max_nonfinite_skips")
+
+
+def _used_settings(mode: str) -> set[str]:
+    cls = SOLVERS[mode]
+    return {*cls.settings, *_MODULE_SETTINGS, *(("grad_clip_retriever",) if cls.trains_retriever else ())}
+
+
+def unused_settings(mode: str, config: SolverConfig) -> list[str]:
+    """The ``model.solver`` fields set away from their defaults that ``mode`` would not use."""
+    return sorted(config.changed() - _used_settings(mode))
+
+
+def mode_arguments(mode: str) -> list[str]:
+    """CLI arguments that switch any config to ``mode``: ``--model.mode`` and, back at their defaults, the
+    ``model.solver`` settings ``mode`` does not use (for sweeps over modes from one config)."""
+    used = _used_settings(mode)
+    return [f"--model.mode={mode}"] + [
+        f"--model.solver.{f.name}={'null' if f.default is None else f.default}"
+        for f in fields(SolverConfig) if f.name not in used
+    ]
+
+
+def make_solver(mode: str, config: SolverConfig | None = None) -> Solver:
+    """The solver for ``mode`` with its settings from ``config``.
+
+    Raises ValueError for an unknown mode, or a setting changed from its default that the mode does not use.
+    """
     if mode not in SOLVERS:
         raise ValueError(f"model.mode must be one of {sorted(SOLVERS)}, got '{mode}'")
-    import inspect
-
+    config = config or SolverConfig()
+    unused = unused_settings(mode, config)
+    if unused:
+        raise ValueError(
+            f"model.mode '{mode}' does not use {', '.join('model.solver.' + n for n in unused)}; remove "
+            f"{'it' if len(unused) == 1 else 'them'} (the mode uses {', '.join(SOLVERS[mode].settings)})"
+        )
     cls = SOLVERS[mode]
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    return cls(**{k: v for k, v in kwargs.items() if k in accepted})
+    return cls(**{name: getattr(config, name) for name in cls.settings})

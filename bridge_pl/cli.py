@@ -19,6 +19,8 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from bridge_pl.bilevel import make_solver
+from bridge_pl.config import SolverConfig, group_problems
 from bridge_pl.data.datamodule import RolloutDataModule
 from bridge_pl.module import BridgeModule
 
@@ -41,42 +43,34 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
 
 
-# Ranges checked when the config is parsed, before any model loads: option -> (test, what it must be).
-_AT_LEAST_ONE = (
-    "data.batch_size", "data.n_samples", "data.eval_batch_size", "data.max_turns", "data.max_new_tokens_per_turn",
-    "data.max_response_tokens", "data.max_sampling_rounds", "model.candidates", "model.top_k", "model.credit_queries",
-    "model.phi_steps", "model.psi_steps", "model.policy_epochs", "model.micro_batch_tokens",
-    "model.max_nonfinite_skips", "model.neumann_steps",
-)
-_POSITIVE = ("data.temperature", "model.retrieval_temperature", "model.teacher_temperature", "model.neumann_lr",
-             "model.clip_low", "model.clip_high")
-_NON_NEGATIVE = ("model.kl_coef", "model.entropy_coef", "model.lam_init", "model.lam_delta", "model.lam_max",
-                 "model.value_coef")
-_RULES: dict[str, tuple[Any, str]] = {
-    **{key: (lambda v: v >= 1, "an integer >= 1") for key in _AT_LEAST_ONE},
-    **{key: (lambda v: v > 0, "> 0") for key in _POSITIVE},
-    **{key: (lambda v: v >= 0, ">= 0") for key in _NON_NEGATIVE},
+# The data module's ranges, checked when the config is parsed, before any model loads: option -> (test, what it
+# must be). The model's settings groups check themselves (bridge_pl.config).
+_DATA_AT_LEAST_ONE = ("batch_size", "n_samples", "eval_batch_size", "max_turns", "max_new_tokens_per_turn",
+                      "max_response_tokens", "max_sampling_rounds")
+_DATA_RULES: dict[str, tuple[Any, str]] = {
+    **{f"data.{key}": (lambda v: v >= 1, "an integer >= 1") for key in _DATA_AT_LEAST_ONE},
+    "data.temperature": (lambda v: v > 0, "> 0"),
     "data.max_eval_examples": (lambda v: v >= 1, "null (all) or an integer >= 1"),
     "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "model.gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "model.gae_lambda": (lambda v: 0 <= v <= 1, "in [0, 1]"),
 }
 
 
 def config_problems(config) -> list[str]:
-    """What is wrong with a parsed ``fit``/``validate``/... config (ranges and cross-field rules), as messages
-    that name the option; empty when it is fine. Runs before any class is instantiated."""
+    """What is wrong with a parsed ``fit``/``validate``/... config (ranges, cross-field rules, solver settings the
+    mode does not use), as messages that name the option; empty when it is fine. Runs before any class is
+    instantiated."""
     problems = []
-    for key, (ok, requirement) in _RULES.items():
+    for key, (ok, requirement) in _DATA_RULES.items():
         value = config.get(key)
         if value is not None and not ok(value):  # None: an optional setting left unset
             problems.append(f"{key} must be {requirement}, got {value!r}")
-    top_k, candidates = config.get("model.top_k"), config.get("model.candidates")
-    if top_k is not None and candidates is not None and top_k > candidates:
-        problems.append(f"model.top_k ({top_k}) must be <= model.candidates ({candidates})")
-    lam_init, lam_max = config.get("model.lam_init"), config.get("model.lam_max")
-    if lam_init is not None and lam_max is not None and lam_init > lam_max:
-        problems.append(f"model.lam_init ({lam_init}) must be <= model.lam_max ({lam_max})")
+    model = config.get("model")
+    problems += group_problems(model)
+    if not problems and model is not None and model.get("solver") is not None:
+        try:
+            make_solver(model.get("mode"), SolverConfig(**dict(model.get("solver").items())))
+        except ValueError as error:
+            problems.append(str(error))
     return problems
 
 

@@ -14,7 +14,7 @@ Definitions (used by ``callbacks.credit_report.CreditReport``):
 
 - A failed trajectory is a **retrieval miss** if the evidence was not retrieved, else a **reasoning miss**.
 - **recall@k** of one trajectory with gold passage ids: the share of its hops with a gold passage among the
-  shown passages (k per search = ``model.top_k``), over all its searches; a trajectory that never searched
+  shown passages (k per search = ``model.retrieval.top_k``), over all its searches; a trajectory that never searched
   has recall 0.
 
 Rates over a set of trajectories (see :meth:`CreditCounts.rates`):

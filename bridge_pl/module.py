@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Literal
 
 import lightning as L
@@ -20,10 +22,11 @@ from torch import nn
 
 from bridge_pl import rl
 from bridge_pl.bilevel import ParamUpdate, Updates, make_solver
+from bridge_pl.config import RetrievalSampling, RLConfig, SolverConfig
 from bridge_pl.metrics import QAMetrics
 from bridge_pl.policy import Policy
-from bridge_pl.problem import RLConfig, RLProblem
-from bridge_pl.retrieval.base import Retriever
+from bridge_pl.problem import RLProblem
+from bridge_pl.retrieval.base import Passage, Retriever
 from bridge_pl.retrieval.credit import gumbel_topk, plackett_luce_logprob, topk_order
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchOutcome
@@ -32,7 +35,7 @@ Mode = Literal["frozen", "policy_first", "retriever_first", "bridge", "implicit"
 
 
 class NonFiniteTrainingError(RuntimeError):
-    """Too many iterations in a row had a non-finite loss or gradient (``model.max_nonfinite_skips``)."""
+    """Too many iterations in a row had a non-finite loss or gradient (``model.solver.max_nonfinite_skips``)."""
 
 
 class BridgeModule(L.LightningModule):
@@ -42,21 +45,18 @@ class BridgeModule(L.LightningModule):
         policy: the causal-LM policy (LoRA by default).
         retriever: any :class:`~bridge_pl.retrieval.base.Retriever`, e.g. ``DenseRetriever``; plugged by
             ``class_path`` in YAML.
-        mode: ``frozen`` | ``policy_first`` | ``retriever_first`` | ``bridge`` | ``implicit``.
-        algorithm: ``grpo`` | ``ppo``.
-        policy_optimizer, retriever_optimizer, critic_optimizer: optimizer callables (default AdamW with
-            lr 1e-5 / 1e-5 / 1e-4). ``retriever_optimizer`` builds both φ's and ψ's optimizers.
-        policy_scheduler, retriever_scheduler: optional LR scheduler callables, stepped once per iteration.
-        candidates: K′, FAISS candidates per search. top_k: k, passages shown per search.
-        credit_queries: at most this many search calls per batch get LM credit (ℓ_θ for each candidate).
-        phi_steps, psi_steps, policy_epochs: inner steps per iteration (see :mod:`bridge_pl.bilevel`).
-        lam_init, lam_delta, lam_max: the ``bridge`` penalty schedule λ_t.
-        neumann_steps, neumann_lr: the ``implicit`` mode's Neumann series.
-        grad_clip_policy, grad_clip_retriever: max grad norm per optimizer (None: no clipping).
-        max_nonfinite_skips: an update whose loss or gradient is not finite is skipped (weights, optimizer
-            state and λ untouched; warned and logged as ``nonfinite/skipped``); this many iterations in a row
-            with such a skip stop the run with :class:`NonFiniteTrainingError`.
-        The remaining arguments are :class:`~bridge_pl.problem.RLConfig` fields.
+        mode: the solver: ``frozen`` (Search-R1: policy RL, retriever fixed), ``policy_first`` / ``retriever_first``
+            (alternating), ``bridge`` (first-order penalty bilevel) or ``implicit`` (second-order reference).
+        rl: the RL losses (:class:`~bridge_pl.config.RLConfig`).
+        solver: inner steps, λ schedule and step rules (:class:`~bridge_pl.config.SolverConfig`).
+        retrieval: candidates, shown passages, temperatures and LM credit
+            (:class:`~bridge_pl.config.RetrievalSampling`).
+        policy_optimizer: the policy's optimizer (default AdamW, lr ``POLICY_LR``).
+        retriever_optimizer: builds φ's optimizer and, in ``bridge``, ψ's (default AdamW, lr ``RETRIEVER_LR``;
+            SGD, lr ``BRIDGE_RETRIEVER_SGD_LR``, in ``bridge``, which refuses anything but SGD).
+        critic_optimizer: the PPO value head's optimizer (default AdamW, lr ``CRITIC_LR``).
+        policy_scheduler: LR scheduler of the policy's optimizer, stepped once per iteration (null: none).
+        retriever_scheduler: LR scheduler of each retriever optimizer, stepped once per iteration (null: none).
     """
 
     def __init__(
@@ -64,71 +64,30 @@ class BridgeModule(L.LightningModule):
         policy: Policy,
         retriever: Retriever,
         mode: Mode = "bridge",
-        algorithm: Literal["grpo", "ppo"] = "grpo",
+        rl: RLConfig = RLConfig(),
+        solver: SolverConfig = SolverConfig(),
+        retrieval: RetrievalSampling = RetrievalSampling(),
         policy_optimizer: OptimizerCallable | None = None,
         retriever_optimizer: OptimizerCallable | None = None,
         critic_optimizer: OptimizerCallable | None = None,
         policy_scheduler: LRSchedulerCallable | None = None,
         retriever_scheduler: LRSchedulerCallable | None = None,
-        candidates: int = 10,
-        top_k: int = 3,
-        credit_queries: int = 16,
-        phi_steps: int = 1,
-        psi_steps: int = 1,
-        policy_epochs: int = 1,
-        lam_init: float = 1.0,
-        lam_delta: float = 0.0,
-        lam_max: float = 10.0,
-        neumann_steps: int = 5,
-        neumann_lr: float = 0.1,
-        grad_clip_policy: float | None = 1.0,
-        grad_clip_retriever: float | None = 1.0,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        dual_clip: float | None = None,
-        kl_coef: float = 0.001,
-        kl_kind: Literal["k1", "k2", "k3"] = "k3",
-        entropy_coef: float = 0.0,
-        loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-            "token-mean"
-        ),
-        scale_by_std: bool = True,
-        gamma: float = 1.0,
-        gae_lambda: float = 1.0,
-        value_coef: float = 0.5,
-        retrieval_temperature: float = 0.1,
-        teacher_temperature: float = 1.0,
-        mask_observations: bool = True,
-        micro_batch_tokens: int = 4096,
-        max_nonfinite_skips: int = 3,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["policy", "retriever"])
-        # LightningCLI stores the *config* of these callables in hparams; keep the callables themselves.
+        # The groups as plain dicts: checkpoints load with weights_only=True, which refuses arbitrary classes.
+        self.save_hyperparameters({"mode": mode, "rl": asdict(rl), "solver": asdict(solver),
+                                   "retrieval": asdict(retrieval)})
         self.factories = {
             "policy": policy_optimizer, "retriever": retriever_optimizer, "critic": critic_optimizer,
             "policy_scheduler": policy_scheduler, "retriever_scheduler": retriever_scheduler,
         }
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold what trains, not the frozen base weights
-        if top_k > candidates:
-            raise ValueError(f"model.top_k ({top_k}) must be <= model.candidates ({candidates})")
-        if max_nonfinite_skips < 1:
-            raise ValueError(f"model.max_nonfinite_skips must be >= 1, got {max_nonfinite_skips}")
         self._nonfinite_streak = 0  # iterations in a row that skipped an update for a non-finite value
         self.policy = policy
         self.retriever = retriever
-        self.rl_config = RLConfig(
-            algorithm=algorithm, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, kl_coef=kl_coef,
-            kl_kind=kl_kind, entropy_coef=entropy_coef, loss_agg=loss_agg, scale_by_std=scale_by_std,
-            gamma=gamma, gae_lambda=gae_lambda, value_coef=value_coef,
-            retrieval_temperature=retrieval_temperature, teacher_temperature=teacher_temperature,
-            mask_observations=mask_observations, micro_batch_tokens=micro_batch_tokens,
-        )
-        self.solver = make_solver(
-            mode, phi_steps=phi_steps, psi_steps=psi_steps, policy_epochs=policy_epochs, lam_init=lam_init,
-            lam_delta=lam_delta, lam_max=lam_max, neumann_steps=neumann_steps, neumann_lr=neumann_lr,
-        )
+        self.rl_config, self.solver_config, self.retrieval_config = rl, solver, retrieval
+        self.solver = make_solver(mode, solver)
         if self.solver.trains_retriever and not retriever.trainable:
             raise ValueError(
                 f"model.mode='{mode}' trains the retriever, but {type(retriever).__name__} is not trainable; "
@@ -137,8 +96,8 @@ class BridgeModule(L.LightningModule):
         if not self.solver.trains_retriever and retriever.query_encoder is not None:
             retriever.query_encoder.requires_grad_(False)
         self.psi = copy.deepcopy(retriever.query_encoder) if self.solver.needs_psi else None
-        self.value_head = nn.Linear(policy.hidden_size, 1) if algorithm == "ppo" else None
-        if kl_coef > 0:
+        self.value_head = nn.Linear(policy.hidden_size, 1) if rl.algorithm == "ppo" else None
+        if rl.kl_coef > 0:
             policy.enable_reference_copy()
         self.register_buffer("policy_version", torch.zeros((), dtype=torch.long))
         self.metrics = nn.ModuleDict()  # "<stage>/<dataset>" -> QAMetrics, created on first use
@@ -149,33 +108,34 @@ class BridgeModule(L.LightningModule):
         self.retriever.prepare()
 
     def configure_optimizers(self):
+        """One optimizer per trained part, by name (``optimizer_names``): ``policy``; ``phi`` (the query encoder,
+        plus a separately trained passage tower) and ``psi`` (``bridge``) when the retriever trains; ``critic``
+        (PPO). Schedulers: ``policy_scheduler`` on the policy's, ``retriever_scheduler`` on φ's and ψ's."""
         make = self.factories
 
-        def build(factory, params, lr, default=torch.optim.AdamW):
+        def build(factory, params, default: type[torch.optim.Optimizer], lr: float) -> torch.optim.Optimizer:
             return factory(params) if factory is not None else default(params, lr=lr)
 
-        optimizers = [build(make["policy"], self.policy.trainable_parameters(), 1e-5)]
-        schedulers = []
-        if make["policy_scheduler"] is not None:
-            schedulers.append(make["policy_scheduler"](optimizers[0]))
+        named = {"policy": build(make["policy"], self.policy.trainable_parameters(), torch.optim.AdamW, POLICY_LR)}
         if self.solver.trains_retriever:
-            # φ's optimizer also owns a separately trained passage tower, if the retriever has one
             passage_tower = getattr(self.retriever, "passage_encoder", None)
             phi_towers = [self.retriever.query_encoder]
             if passage_tower is not None and passage_tower is not self.retriever.query_encoder:
                 phi_towers.append(passage_tower)
             sgd_only = self.solver.lower_level_needs_sgd
-            default = (torch.optim.SGD, BRIDGE_RETRIEVER_SGD_LR) if sgd_only else (torch.optim.AdamW, 1e-5)
-            for towers in [phi_towers] + ([[self.psi]] if self.psi is not None else []):
+            default = (torch.optim.SGD, BRIDGE_RETRIEVER_SGD_LR) if sgd_only else (torch.optim.AdamW, RETRIEVER_LR)
+            for name, towers in [("phi", phi_towers)] + ([("psi", [self.psi])] if self.psi is not None else []):
                 params = [p for tower in towers for p in tower.parameters() if p.requires_grad]
-                optimizers.append(build(make["retriever"], params, default[1], default[0]))
+                named[name] = build(make["retriever"], params, *default)
                 if sgd_only:
-                    _require_sgd(optimizers[-1], self.solver.name)
-                if make["retriever_scheduler"] is not None:
-                    schedulers.append(make["retriever_scheduler"](optimizers[-1]))
+                    _require_sgd(named[name], self.solver.name)
         if self.value_head is not None:
-            optimizers.append(build(make["critic"], list(self.value_head.parameters()), 1e-4))
-        return optimizers, schedulers
+            named["critic"] = build(make["critic"], list(self.value_head.parameters()), torch.optim.AdamW, CRITIC_LR)
+        scheduler_of = {"policy": make["policy_scheduler"], "phi": make["retriever_scheduler"],
+                        "psi": make["retriever_scheduler"]}
+        schedulers = [scheduler_of[name](opt) for name, opt in named.items() if scheduler_of.get(name) is not None]
+        self.optimizer_names = list(named)
+        return list(named.values()), schedulers
 
     def _updates(self) -> Updates:
         opts = self.optimizers()
@@ -183,25 +143,25 @@ class BridgeModule(L.LightningModule):
         # here is one whole iteration (see _count_iteration).
         return self.updates_from([o.optimizer for o in (opts if isinstance(opts, list | tuple) else [opts])])
 
-    def updates_from(self, optimizers: list[torch.optim.Optimizer], backward=None) -> Updates:
-        """Map ``configure_optimizers``' optimizers to the solver's updates (policy, φ, ψ; critic joins policy).
+    def updates_from(self, optimizers: Sequence[torch.optim.Optimizer], backward=None) -> Updates:
+        """The solver's updates (policy, φ, ψ; the critic steps with the policy) from the optimizers
+        :meth:`configure_optimizers` returned, matched by its ``optimizer_names``.
 
         ``backward`` defaults to Lightning's ``manual_backward`` (needs a trainer).
         """
-        hp = self.hparams
+        solver = self.solver_config
         backward = backward or self.manual_backward
-        opts = list(optimizers)
-        policy_opt = opts.pop(0)
-        critic_opt = opts.pop() if self.value_head is not None else None
-        if critic_opt is not None:  # the critic head trains in the same backward as the policy
-            policy_opt = _JointOptimizer([policy_opt, critic_opt])
-        policy = ParamUpdate(policy_opt, backward, hp.grad_clip_policy, name="policy")
-        phi = psi = None
-        if opts:
-            phi = ParamUpdate(opts[0], backward, hp.grad_clip_retriever, self.retriever.bump_version, name="phi")
-        if len(opts) > 1:
-            psi = ParamUpdate(opts[1], backward, hp.grad_clip_retriever, name="psi")
-        return Updates(policy=policy, phi=phi, psi=psi)
+        named = dict(zip(self.optimizer_names, optimizers, strict=True))
+        policy_opt = named["policy"]
+        if "critic" in named:  # the critic head trains in the same backward as the policy
+            policy_opt = _JointOptimizer([policy_opt, named["critic"]])
+        clip = solver.grad_clip_retriever
+        return Updates(
+            policy=ParamUpdate(policy_opt, backward, solver.grad_clip_policy, name="policy"),
+            phi=ParamUpdate(named["phi"], backward, clip, self.retriever.bump_version, name="phi")
+            if "phi" in named else None,
+            psi=ParamUpdate(named["psi"], backward, clip, name="psi") if "psi" in named else None,
+        )
 
     # ---- retrieval during rollouts ---------------------------------------------------------------
     @torch.no_grad()
@@ -211,16 +171,16 @@ class BridgeModule(L.LightningModule):
         """Search K′ candidates per query, then sample k of them (Plackett-Luce) or take the top k."""
         if not queries:
             return []
-        hp = self.hparams
-        scores, rows = self.retriever.search(queries, hp.candidates)
+        sampling = self.retrieval_config
+        scores, rows = self.retriever.search(queries, sampling.candidates)
         valid = rows >= 0
-        k = hp.top_k
+        k = sampling.top_k
         if int(valid.sum(-1).min()) < k:
             raise ValueError(
-                f"{type(self.retriever).__name__} returned fewer than model.top_k={k} candidates for a query; "
-                "the corpus is smaller than top_k"
+                f"{type(self.retriever).__name__} returned fewer than model.retrieval.top_k={k} candidates for a "
+                "query; the corpus is smaller than top_k"
             )
-        logits = scores.float() / self.rl_config.retrieval_temperature
+        logits = scores.float() / sampling.temperature
         if stochastic:
             order = gumbel_topk(logits, k, generator=generator, valid=valid)
             logprob = plackett_luce_logprob(logits, order, valid=valid)
@@ -239,6 +199,23 @@ class BridgeModule(L.LightningModule):
             )
         return outcomes
 
+    def problem(self, batch: RolloutBatch, **overrides) -> RLProblem:
+        """The losses of ``batch`` with this module's parts and settings (``overrides``: RLProblem's keyword
+        arguments, e.g. ``old_logprobs`` for a probe; the credit graph is kept when the solver couples)."""
+        overrides.setdefault("keep_credit_graph", self.solver.uses_coupling)
+        return RLProblem(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config,
+                         self.retrieval_config, **overrides)
+
+    # ---- what the rollout DataModule asks for (bridge_pl.rollout.agent.RolloutAgent) -----------------
+    def passage(self, row: int) -> Passage:
+        return self.retriever.passage(row)
+
+    def versions(self) -> tuple[int, int]:
+        return int(self.policy_version), self.retriever.version
+
+    def credit_queries(self) -> int:
+        return self.retrieval_config.credit_queries if self.solver.trains_retriever else 0
+
     # ---- training -------------------------------------------------------------------------------
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         if batch.policy_version != int(self.policy_version) or batch.retriever_version != self.retriever.version:
@@ -246,8 +223,7 @@ class BridgeModule(L.LightningModule):
                 f"off-policy batch: generated by policy v{batch.policy_version}/retriever v{batch.retriever_version}, "
                 f"module is at v{int(self.policy_version)}/v{self.retriever.version}"
             )
-        problem = RLProblem(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config,
-                            keep_credit_graph=self.solver.uses_coupling)
+        problem = self.problem(batch)
         updates = self._updates()
         logs = self.solver.step(problem, updates)
         logs["nonfinite/skipped"] = self._guard_nonfinite(updates.nonfinite())
@@ -282,10 +258,10 @@ class BridgeModule(L.LightningModule):
         what = ", ".join(f"{name} ({' and '.join(sorted(set(kinds)))})" for name, kinds in bad.items())
         message = (f"step {self.trainer.global_step if self._trainer else 0}: non-finite {what}; "
                    "those updates were skipped (weights, optimizer state and λ unchanged)")
-        if self._nonfinite_streak >= self.hparams.max_nonfinite_skips:
+        if self._nonfinite_streak >= self.solver_config.max_nonfinite_skips:
             raise NonFiniteTrainingError(
-                f"{message}. That is {self._nonfinite_streak} iterations in a row (model.max_nonfinite_skips="
-                f"{self.hparams.max_nonfinite_skips}): stopping. Lower the learning rates, check the rewards and "
+                f"{message}. That is {self._nonfinite_streak} iterations in a row (model.solver.max_nonfinite_skips="
+                f"{self.solver_config.max_nonfinite_skips}): stopping. Lower the learning rates, check the rewards and "
                 "the data, or resume from the last checkpoint."
             )
         rank_zero_warn(message)
@@ -376,7 +352,11 @@ class BridgeModule(L.LightningModule):
             self.retriever.restore_index(state["index_tower"])
 
 
-BRIDGE_RETRIEVER_SGD_LR = 0.05  # φ/ψ's default SGD step in ``bridge`` mode (φ's is then scaled by 1/(1+λ))
+# Default learning rates when the YAML names no optimizer.
+POLICY_LR = 1e-5  # AdamW on the policy's trainable parameters
+RETRIEVER_LR = 1e-5  # AdamW on φ in the alternating and implicit modes
+BRIDGE_RETRIEVER_SGD_LR = 0.05  # SGD on φ and ψ in ``bridge`` (φ's step is then scaled by 1/(1+λ))
+CRITIC_LR = 1e-4  # AdamW on the PPO value head
 
 
 def _require_sgd(optimizer: torch.optim.Optimizer, mode: str) -> None:

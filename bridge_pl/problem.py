@@ -8,64 +8,39 @@ search calls chosen for LM credit (docs/method.md sections 2-4).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from bridge_pl import rl
+from bridge_pl.config import RetrievalSampling, RLConfig
+from bridge_pl.eval_mode import eval_mode
 from bridge_pl.policy import Policy, budget_groups
 from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.credit import coupling_weights, lm_supervised_kl, plackett_luce_logprob
-from bridge_pl.retrieval.dense import eval_mode
 from bridge_pl.rollout.batch import RolloutBatch
 
 
-@dataclass
-class RLConfig:
-    """Hyper-parameters of the losses (all exposed as ``BridgeModule`` init args).
+def lower_level_loss(
+    logits: torch.Tensor,
+    teacher_scores: torch.Tensor,
+    valid: torch.Tensor,
+    retrieval: RetrievalSampling,
+    detach_teacher: bool = True,
+) -> torch.Tensor:
+    """The lower-level loss G = mean over searches s of KL(Q_θ,s ‖ P_φ,s), in nats (docs/method.md section 3).
 
     Args:
-        algorithm: ``grpo`` (group-normalised outcome advantages) or ``ppo`` (value head + GAE).
-        clip_low, clip_high: PPO ratio clip range [1 − clip_low, 1 + clip_high].
-        dual_clip: dual-clip constant c > 1 for negative advantages (None: off).
-        kl_coef, kl_kind: KL penalty to the reference policy (adapter off) in the loss; kind k1/k2/k3.
-        entropy_coef: entropy bonus.
-        loss_agg: token aggregation mode of :func:`bridge_pl.rl.agg_loss`.
-        scale_by_std: GRPO divides by the group std.
-        gamma, gae_lambda, value_coef, value_clip: PPO critic settings.
-        retrieval_temperature: τ_r of P_φ = softmax(score / τ_r) (sampling and G).
-        teacher_temperature: β of Q_θ = softmax(ℓ_θ / β).
-        mask_observations: False is the ablation that trains on retrieved tokens too.
-        micro_batch_tokens: token budget (rows x padded length) of one forward/backward in the policy update
-            (gradient accumulation; the result equals the full-batch loss) and in LM-credit scoring.
+        logits: ``[S, K′]`` retriever logits over each search's candidates, already divided by τ_r
+            (``retrieval.temperature``), so P_φ,s = softmax(logits).
+        teacher_scores: ``[S, K′]`` teacher scores ℓ (the LM's log-likelihood of the gold answer given each
+            candidate, in nats); Q_θ,s = softmax(ℓ / β) with β = ``retrieval.teacher_temperature``.
+        valid: ``[S, K′]`` bool, False on padded candidate slots.
+        detach_teacher: no gradient into the teacher (True except in the ``implicit`` mode's cross term).
     """
-
-    algorithm: str = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    kl_coef: float = 0.001
-    kl_kind: str = "k3"
-    entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"
-    scale_by_std: bool = True
-    gamma: float = 1.0
-    gae_lambda: float = 1.0
-    value_coef: float = 0.5
-    value_clip: float | None = 0.2
-    retrieval_temperature: float = 0.1
-    teacher_temperature: float = 1.0
-    mask_observations: bool = True
-    micro_batch_tokens: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.algorithm not in ("grpo", "ppo"):
-            raise ValueError(f"model.algorithm must be 'grpo' or 'ppo', got '{self.algorithm}'")
-        if self.kl_kind not in rl.KL_KINDS:
-            raise ValueError(f"model.kl_kind must be one of {rl.KL_KINDS}, got '{self.kl_kind}'")
-        if self.loss_agg not in rl.AGG_MODES:
-            raise ValueError(f"model.loss_agg must be one of {rl.AGG_MODES}, got '{self.loss_agg}'")
+    kl = lm_supervised_kl(logits, teacher_scores, 1.0, retrieval.teacher_temperature, valid=valid,
+                          detach_teacher=detach_teacher)
+    return kl.mean()
 
 
 class RLProblem:
@@ -84,6 +59,7 @@ class RLProblem:
         value_head: the PPO critic head, else None.
         batch: the rollout batch (on the module's device).
         config: loss settings.
+        retrieval: retrieval sampling and credit settings (τ_r of P_φ, β of the LM teacher).
         keep_credit_graph: compute ℓ_θ with grad and keep its graph for :meth:`coupling_loss_parts`.
         old_logprobs: ``[B, T]`` π_old on the loss tokens, when it is not the current policy (e.g. a landscape
             probe evaluating F away from the weights that generated the batch); default: the first forward.
@@ -99,12 +75,13 @@ class RLProblem:
         value_head: nn.Module | None,
         batch: RolloutBatch,
         config: RLConfig,
+        retrieval: RetrievalSampling,
         keep_credit_graph: bool = False,
         old_logprobs: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
     ) -> None:
         self.policy, self.retriever, self.psi, self.value_head = policy, retriever, psi, value_head
-        self.batch, self.cfg = batch, config
+        self.batch, self.cfg, self.retrieval = batch, config, retrieval
         self.stats: dict[str, float] = {}
         # The loss mask: policy tokens only, unless the ablation also trains on observations.
         self.mask = batch.action_mask if config.mask_observations else self._all_response_tokens()
@@ -292,7 +269,7 @@ class RLProblem:
         queries = [batch.search_queries[i] for i in searches.tolist()]
         rows = batch.search_candidates[searches]
         scores = self.retriever.score(queries, rows.clamp(min=0), query_encoder=encoder).float()
-        return scores / self.cfg.retrieval_temperature
+        return scores / self.retrieval.temperature
 
     def retriever_upper_loss(self) -> torch.Tensor:
         """−mean_i A_i Σ_j log P_φ(D_ij): REINFORCE credit of trajectory i's advantage to its retrieved lists."""
@@ -314,9 +291,7 @@ class RLProblem:
         logits = self._scores(batch.credit_searches, module)
         lm = self.lm_scores if detach_teacher else self._lm_scores()
         valid = batch.search_valid[batch.credit_searches]
-        # logits are already score/τ, so τ = 1 here
-        kl = lm_supervised_kl(logits, lm, 1.0, self.cfg.teacher_temperature, valid=valid, detach_teacher=detach_teacher)
-        return kl.mean()
+        return lower_level_loss(logits, lm, valid, self.retrieval, detach_teacher=detach_teacher)
 
     @torch.no_grad()
     def refresh_teacher(self) -> None:
@@ -340,7 +315,8 @@ class RLProblem:
         with torch.no_grad():
             phi = self._scores(batch.credit_searches, None)
             psi = self._scores(batch.credit_searches, self.psi)
-            weights = coupling_weights(self.lm_scores, phi, psi, 1.0, self.cfg.teacher_temperature, lam, valid=valid)
+            weights = coupling_weights(self.lm_scores, phi, psi, 1.0, self.retrieval.teacher_temperature, lam,
+                                       valid=valid)
         weights = (weights / batch.credit_searches.numel()).masked_fill(~valid, 0.0)  # G: mean over s
         self.stats["bridge/coupling_weight_abs"] = float(weights.abs().sum())
         if self._credit_graph is not None:

@@ -12,11 +12,14 @@ statistic from fewer than two tokens is meaningless and would silently blow adva
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "k2", "k3")
+from bridge_pl.config import KLKind, LossAgg
+
+AGG_MODES: tuple[str, ...] = get_args(LossAgg)
+KL_KINDS: tuple[str, ...] = get_args(KLKind)
 
 # exp() of a log-ratio beyond this overflows float32 (and its gradient becomes inf*0 = NaN). Both users
 # below saturate long before it, so clamping the log-ratio here changes no value that matters.

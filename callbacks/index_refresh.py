@@ -21,14 +21,16 @@ index fingerprints are compared and a mismatch raises.
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from bridge_pl.config import require_choice
 from bridge_pl.retrieval.dense import DenseRetriever
 from bridge_pl.retrieval.index import topk_overlap
 
-STRATEGIES = ("rebuild", "rerank")
+RefreshStrategy = Literal["rebuild", "rerank"]
 
 
 class IndexRefresh(pl.Callback):
@@ -48,16 +50,13 @@ class IndexRefresh(pl.Callback):
         self,
         every_n_steps: int | None = None,
         schedule: list[list[int]] | None = None,
-        strategy: str = "rebuild",
+        strategy: RefreshStrategy = "rebuild",
         over_retrieve: int = 4,
         probe_queries: list[str] | None = None,
         probe_size: int = 32,
         probe_k: int = 10,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(
-                f"IndexRefresh option 'strategy' must be one of {list(STRATEGIES)}, got {strategy!r}"
-            )
+        require_choice("IndexRefresh option 'strategy'", strategy, RefreshStrategy)
         if every_n_steps is not None and schedule is not None:
             raise ValueError("IndexRefresh: give either 'every_n_steps' or 'schedule', not both")
         if strategy == "rebuild" and every_n_steps is None and schedule is None:

@@ -12,7 +12,7 @@ What is probed, on a probe fixed once (at the first probe) and reused at every l
   ℓ = ℓ_θ(d) scored by the policy when the probe is built (docs/method.md section 2); a batch without
   credit searches falls back to ``answer``. ``teacher="answer"``: the first ``probe_queries`` distinct
   questions of the batch, top-K′ candidates by the retriever at probe-creation time (K′ =
-  ``model.candidates``), ℓ = 1 where a gold answer occurs in the passage (SQuAD-normalised), else 0.
+  ``model.retrieval.candidates``), ℓ = 1 where a gold answer occurs in the passage (SQuAD-normalised), else 0.
   ``teacher="random"``: those queries and candidates with ℓ ~ N(0, 1) from the seeded generator.
 
 For each target: a 1-D slice L(θ + αδ) with ``slice_points`` α in [−span, span], a ``grid_points`` ×
@@ -53,10 +53,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal, get_args
 
 import lightning.pytorch as pl
 import numpy as np
@@ -66,13 +67,16 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from bridge_pl import landscape
-from bridge_pl.problem import RLProblem
-from bridge_pl.retrieval.credit import lm_supervised_kl
+from bridge_pl.config import require_choice
+from bridge_pl.eval_mode import eval_mode
+from bridge_pl.problem import lower_level_loss
 from bridge_pl.rewards import normalize_answer
 from bridge_pl.rollout.batch import RolloutBatch
+from bridge_pl.seeding import derive_seed
 
-TARGETS = ("policy", "retriever")
-TEACHERS = ("lm", "answer", "random")
+Target = Literal["policy", "retriever"]
+Teacher = Literal["lm", "answer", "random"]
+TARGETS: tuple[Target, ...] = get_args(Target)
 
 
 @dataclass
@@ -108,7 +112,7 @@ class LossLandscape(pl.Callback):
     def __init__(
         self,
         every_n_steps: int = 100,
-        targets: list[str] | tuple[str, ...] = TARGETS,
+        targets: list[Target] | tuple[Target, ...] = TARGETS,
         slice_points: int = 11,
         grid_points: int = 5,
         span: float = 1.0,
@@ -117,7 +121,7 @@ class LossLandscape(pl.Callback):
         pl_steps: int = 10,
         pl_lr: float = 0.1,
         probe_queries: int = 8,
-        teacher: str = "lm",
+        teacher: Teacher = "lm",
         zero_row_norm: float = 0.0,
         seed: int = 0,
         at_fit_end: bool = True,
@@ -132,14 +136,11 @@ class LossLandscape(pl.Callback):
                 raise ValueError(f"LossLandscape option '{name}' must be > 0, got {value}")
         if zero_row_norm < 0:
             raise ValueError(f"LossLandscape option 'zero_row_norm' must be >= 0, got {zero_row_norm}")
-        unknown = [t for t in targets if t not in TARGETS]
-        if unknown or not targets:
-            raise ValueError(f"LossLandscape option 'targets' must be a non-empty subset of {list(TARGETS)}, "
-                             f"got {list(targets)}")
-        if teacher not in TEACHERS:
-            raise ValueError(
-                f"LossLandscape option 'teacher' must be one of {list(TEACHERS)}, got {teacher!r}"
-            )
+        if not targets:
+            raise ValueError(f"LossLandscape option 'targets' must name at least one of {list(TARGETS)}")
+        for target in targets:
+            require_choice("LossLandscape option 'targets'", target, Target)
+        require_choice("LossLandscape option 'teacher'", teacher, Teacher)
         self.every_n_steps, self.targets = every_n_steps, tuple(targets)
         self.slice_points, self.grid_points, self.span = slice_points, grid_points, span
         self.power_iters, self.fd_eps, self.pl_steps, self.pl_lr = power_iters, fd_eps, pl_steps, pl_lr
@@ -175,8 +176,7 @@ class LossLandscape(pl.Callback):
         """Fixed probe data from this rank's current training batch (rank 0's is then broadcast)."""
         rollout = self._build_rollout(batch)
         with torch.no_grad():
-            problem = RLProblem(pl_module.policy, pl_module.retriever, pl_module.psi, pl_module.value_head,
-                                move_data_to_device(rollout, pl_module.device), pl_module.rl_config)
+            problem = pl_module.problem(move_data_to_device(rollout, pl_module.device), keep_credit_graph=False)
             old_logprobs = problem.old_logprobs().cpu()
         # the reference stays fixed while the probe moves θ: keep its log-probs (= π_old when it is the policy)
         ref_logprobs = None
@@ -199,9 +199,9 @@ class LossLandscape(pl.Callback):
         questions = list(dict.fromkeys(batch.questions))[: self.probe_queries]
         golds = {q: g for q, g in zip(batch.questions, batch.golds)}
         retriever = pl_module.retriever
-        _, rows = retriever.search(questions, pl_module.hparams.candidates)
+        _, rows = retriever.search(questions, pl_module.retrieval_config.candidates)
         if self.teacher == "random":
-            generator = torch.Generator().manual_seed(self.seed + 2)
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, "random_teacher"))
             teacher = torch.randn(rows.shape, generator=generator)
         else:
             teacher = torch.tensor(
@@ -222,11 +222,11 @@ class LossLandscape(pl.Callback):
         assert self.probe is not None
         step = trainer.global_step
         results: dict[str, dict[str, np.ndarray]] = {}
-        with _full_parameters(trainer), _eval_mode(pl_module):
+        with _full_parameters(trainer), eval_mode(pl_module):
             for target in self.targets:
                 spec = self._target(pl_module, target)
                 if spec is not None:  # a seed per target name: draws do not depend on which targets are on
-                    results[target] = self._probe_target(*spec, seed=self.seed + 1000 * TARGETS.index(target))
+                    results[target] = self._probe_target(*spec, seed=derive_seed(self.seed, "directions", target))
             psi = getattr(pl_module, "psi", None)
             if "retriever" in results and psi is not None and self.pl_steps > 0:
                 params = [p for p in psi.parameters() if p.requires_grad]
@@ -250,9 +250,8 @@ class LossLandscape(pl.Callback):
         """(loss closure, parameters) of ``target``, or None (said once) when it has nothing to probe."""
         if target == "policy":
             rollout = move_data_to_device(self.probe.rollout, pl_module.device)
-            problem = RLProblem(pl_module.policy, pl_module.retriever, pl_module.psi, pl_module.value_head,
-                                rollout, pl_module.rl_config,
-                                old_logprobs=self.probe.old_logprobs.to(pl_module.device),
+            problem = pl_module.problem(rollout, keep_credit_graph=False,
+                                        old_logprobs=self.probe.old_logprobs.to(pl_module.device),
                                 ref_logprobs=move_data_to_device(self.probe.ref_logprobs, pl_module.device))
             return problem.policy_loss, pl_module.policy.trainable_parameters()
         encoder = pl_module.retriever.query_encoder
@@ -267,15 +266,13 @@ class LossLandscape(pl.Callback):
         self, pl_module: pl.LightningModule, encoder: torch.nn.Module | None
     ) -> Callable[[], torch.Tensor]:
         """G(encoder) = mean_s KL(Q_s ‖ P(·|s)) on the fixed probe (``encoder=None``: φ)."""
-        probe, cfg = self.probe, pl_module.rl_config
+        probe, retrieval = self.probe, pl_module.retrieval_config
         valid = probe.rows >= 0
 
         def loss() -> torch.Tensor:
             scores = pl_module.retriever.score(probe.queries, probe.rows.clamp(min=0), query_encoder=encoder)
             teacher, mask = probe.teacher_scores.to(scores.device), valid.to(scores.device)
-            kl = lm_supervised_kl(scores.float(), teacher, cfg.retrieval_temperature, cfg.teacher_temperature,
-                                  valid=mask)
-            return kl.mean()
+            return lower_level_loss(scores.float() / retrieval.temperature, teacher, mask, retrieval)
 
         return loss
 
@@ -362,18 +359,6 @@ def _render(target: str, a: dict[str, np.ndarray], step: int) -> np.ndarray:
     fig.tight_layout()
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
-
-
-@contextmanager
-def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
-    """Eval mode for the whole module tree, then every submodule's own flag back."""
-    flags = [(m, m.training) for m in module.modules()]
-    try:
-        module.eval()
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
 
 
 def _full_parameters(trainer: pl.Trainer):

@@ -1,4 +1,4 @@
-"""``WarmStart``: a short supervised phase on search demonstrations before RL (see bridge_pl.warmstart)."""
+"""``WarmStart``: a short supervised phase on search demonstrations before RL (see bridge_pl.warm_start)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 
 from bridge_pl.rewards import exact_match
 from bridge_pl.rollout.env import SearchEnv
-from bridge_pl.warmstart import demonstration_segments, sft_loss, tokenize_demonstration
+from bridge_pl.seeding import derive_seed
+from bridge_pl.warm_start import demonstration_segments, sft_loss, tokenize_demonstration
 
 
 class WarmStart(L.Callback):
@@ -26,7 +27,7 @@ class WarmStart(L.Callback):
         source: QA source of the demonstrations (default: the datamodule's training set).
         seed: seeds which examples are used and the noise (None, the default: the datamodule's seed).
         evaluate: measure greedy EM on the validation sets before and after the warm start (printed and
-            logged as ``warmstart/{before,after}/<dataset>/em``), so the run shows what RL adds on top; at the
+            logged as ``warm_start/{before,after}/<dataset>/em``), so the run shows what RL adds on top; at the
             end of ``fit`` one line per dataset sums up before / after the warm start / last validation.
         save_to: folder to save the warm-started policy in (peft layout; rank 0), so later runs can start
             from it with ``policy.adapter`` instead of repeating the warm start.
@@ -56,7 +57,7 @@ class WarmStart(L.Callback):
                 scores += [exact_match(a, g) for a, g in zip(batch.answers, batch.golds)]
             self.em[when][name] = sum(scores) / max(1, len(scores))
             if trainer.logger is not None:
-                metrics = {f"warmstart/{when}/{name}/em": self.em[when][name]}
+                metrics = {f"warm_start/{when}/{name}/em": self.em[when][name]}
                 if when == "after":  # the first point of the val/<name>/em curve: RL starts here (step 0)
                     metrics[f"val/{name}/em"] = self.em[when][name]
                 trainer.logger.log_metrics(metrics, step=0)
@@ -75,7 +76,7 @@ class WarmStart(L.Callback):
         env = SearchEnv(data.env_config, tokenizer)
         examples = data.load(self.source or data.train_source)
         seed = self.seed if self.seed is not None else data.seed
-        rng = random.Random(seed + 104729 * trainer.global_rank)
+        rng = random.Random(derive_seed(seed, "warm_start", trainer.global_rank))
         params = policy.trainable_parameters()
         optimizer = torch.optim.AdamW(params, lr=self.lr)
         was_training = policy.training
@@ -100,7 +101,7 @@ class WarmStart(L.Callback):
             optimizer.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if trainer.logger is not None:
-                trainer.logger.log_metrics({"warmstart/loss": loss.item()}, step=step)
+                trainer.logger.log_metrics({"warm_start/loss": loss.item()}, step=step)
         policy.train(was_training)
         policy.rebase_reference()  # RL's KL term pulls towards the warm-started policy, not the base model
         rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss.item():.3f}); "

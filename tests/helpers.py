@@ -1,9 +1,11 @@
 """Shared helpers for the end-to-end tests: build and run the real CLI on the tiny config."""
 
 import contextlib
+import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from bridge_pl.cli import BridgeCLI
 
@@ -22,13 +24,19 @@ def tiny_cli(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = (TINY,)
 
 
 @contextlib.contextmanager
-def bigram_bias(model, table: dict[int, dict[int, float]]):
+def bigram_bias(model, table: dict[int, dict[int, float]], generation_only: bool = True):
     """While active, logits after input token ``src`` get ``+table[src][dst]`` on each token ``dst``.
 
-    Only ``model``'s own forward is biased. ``table`` may be mutated in place while active.
+    Only ``model``'s own forward is biased, and only inside rollout generation: the hook fails the test if it
+    fires anywhere else (a loss forward, which must score the policy's real distribution, or any forward with
+    gradients on). ``generation_only=False`` lifts that, for an engine test that recomputes a biased greedy
+    decode with a plain full-prefix forward. ``table`` may be mutated in place while active.
     """
 
     def hook(module, args, kwargs, output):
+        assert not generation_only or (not torch.is_grad_enabled() and _inside_rollout_engine()), (
+            "bigram_bias fired outside RolloutEngine generation: a loss forward would see steered logits"
+        )
         inputs = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
         logits = output.logits
         inputs = inputs[:, -logits.shape[1]:]
@@ -43,6 +51,16 @@ def bigram_bias(model, table: dict[int, dict[int, float]]):
         yield table
     finally:
         handle.remove()
+
+
+def _inside_rollout_engine() -> bool:
+    """Whether the current call stack runs through bridge_pl/rollout/engine.py."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if Path(frame.f_code.co_filename).parts[-2:] == ("rollout", "engine.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def searching(policy, answers: tuple[str, ...] = ()):

@@ -1,4 +1,7 @@
-"""Every config in configs/ parses and instantiates (models replaced by tiny ones, CPU, one process)."""
+"""Every config in configs/ parses and instantiates (models replaced by tiny ones, CPU, one process).
+
+A recipe in a folder with a ``base.yaml`` (``configs/qwen2.5/``) is given after that base, as its header says.
+"""
 
 from pathlib import Path
 
@@ -8,7 +11,15 @@ import torch
 from bridge_pl.cli import BridgeCLI
 from bridge_pl.module import BridgeModule
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+ROOT = Path(__file__).parents[1] / "configs"
+
+
+def _with_base(recipe: Path) -> tuple[Path, ...]:
+    base = recipe.parent / "base.yaml"
+    return (base, recipe) if base.is_file() and recipe != base else (recipe,)
+
+
+CONFIGS = [_with_base(p) for p in sorted(ROOT.rglob("*.yaml")) if p.name != "base.yaml"]
 TINY = [
     "--model.policy.init_args.model=tiny-llama",
     "--model.policy.init_args.dtype=float32",
@@ -24,15 +35,23 @@ TINY = [
 
 
 def test_every_recipe_is_covered():
-    assert {p.name for p in CONFIGS} >= {
-        "demo.yaml", "smollm2_wiki.yaml", "search_r1_qwen2.5-3b.yaml",
-        "bridge_qwen2.5-3b.yaml", "bridge_qwen2.5-7b.yaml",
+    assert {str(c[-1].relative_to(ROOT)) for c in CONFIGS} >= {
+        "demo.yaml", "smollm2_wiki.yaml", "qwen2.5/search_r1_3b.yaml", "qwen2.5/bridge_3b.yaml",
+        "qwen2.5/bridge_7b.yaml",
     }
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
-def test_config_instantiates(config, tmp_path):
-    cli = BridgeCLI(args=["--config", str(config), *TINY, f"--trainer.default_root_dir={tmp_path}"], run=False)
+def test_recipe_headers_give_the_command_that_runs_them():
+    for configs in CONFIGS:
+        if len(configs) > 1:
+            command = " ".join(f"--config {c.relative_to(ROOT.parent)}" for c in configs)
+            assert command in configs[-1].read_text(), configs[-1]
+
+
+@pytest.mark.parametrize("configs", CONFIGS, ids=lambda c: str(c[-1].relative_to(ROOT)))
+def test_config_instantiates(configs, tmp_path):
+    args = [arg for config in configs for arg in ("--config", str(config))]
+    cli = BridgeCLI(args=[*args, *TINY, f"--trainer.default_root_dir={tmp_path}"], run=False)
     assert isinstance(cli.model, BridgeModule)
     assert cli.model.solver.name == cli.config["model"]["mode"]
     assert cli.datamodule.train_source == cli.config["data"]["train"]

@@ -8,13 +8,13 @@
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from helpers import searching, tiny_cli
 
 from bridge_pl.bilevel import make_solver
-from bridge_pl.problem import RLProblem
 
 WORDS = (" Paris", " Rome")
 
@@ -43,8 +43,7 @@ def _step(module, batch, mode):
     """One iteration of ``mode``'s solver on ``batch`` (the optimizers configure_optimizers builds; no trainer)."""
     module.solver = make_solver(mode)
     optimizers, _ = module.configure_optimizers()
-    problem = RLProblem(module.policy, module.retriever, module.psi, module.value_head, batch, module.rl_config,
-                        keep_credit_graph=module.solver.uses_coupling)
+    problem = module.problem(batch)
     logs = module.solver.step(problem, module.updates_from(optimizers, backward=torch.Tensor.backward))
     return logs | problem.stats
 
@@ -70,9 +69,10 @@ def test_retriever_first_and_policy_first_make_different_policy_updates(tmp_path
 
 
 def test_unmasked_ablation_trains_observation_tokens_from_their_real_old_logprobs(tmp_path, city_qa):
-    module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", "--model.mask_observations=false", qa=city_qa)
-    module.rl_config.micro_batch_tokens = 10**6  # one micro-batch: the captured logp below covers the batch
-    problem = RLProblem(module.policy, module.retriever, None, None, batch, module.rl_config)
+    module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", "--model.rl.mask_observations=false", qa=city_qa)
+    # one micro-batch: the captured logp below covers the batch
+    module.rl_config = replace(module.rl_config, micro_batch_tokens=10**6)
+    problem = module.problem(batch, keep_credit_graph=False)
     observations = problem.mask.bool() & (batch.action_mask == 0)
     assert observations.sum() > 50  # the ablation's loss covers retrieved tokens
     captured = {}
@@ -109,7 +109,7 @@ def test_a_batch_without_reward_variance_leaves_the_policy_untouched(tmp_path, c
 def test_lm_credit_scores_the_answer_after_the_context_the_policy_had(tmp_path, city_qa):
     """ℓ_θ(d): context = prompt + trajectory up to the search (earlier observations kept) + only d + <answer>;
     target = the gold answer's tokens alone (docs/method.md section 2)."""
-    module, batch = _module_and_batch(tmp_path, "--model.mode=bridge", "--model.credit_queries=64",
+    module, batch = _module_and_batch(tmp_path, "--model.mode=bridge", "--model.retrieval.credit_queries=64",
                                       "--data.max_response_tokens=400", answers=(), qa=city_qa)
     tok = module.policy.tokenizer
     answer_open = tok("<answer>", add_special_tokens=False)["input_ids"]
@@ -137,8 +137,8 @@ def test_token_budget_micro_batches_sum_to_the_full_batch_loss(tmp_path, city_qa
     params = module.policy.trainable_parameters()
     results = {}
     for budget in (10**6, 600):  # one micro-batch; about one trajectory per micro-batch
-        module.rl_config.micro_batch_tokens = budget
-        problem = RLProblem(module.policy, module.retriever, None, None, batch, module.rl_config)
+        module.rl_config = replace(module.rl_config, micro_batch_tokens=budget)
+        problem = module.problem(batch, keep_credit_graph=False)
         parts = list(problem.policy_loss_parts())
         loss = sum(parts)
         grads = torch.autograd.grad(loss, params)

@@ -215,7 +215,7 @@ def test_kv_cache_decoding_equals_full_prefix_greedy(model, tok, env, lead):
     # prompt 0 searches every turn (then free text), prompt 1 answers at once, prompt 2 is free text
     table = grammar_table(tok) | chain([prompts[0][-1], lt]) | chain([prompts[1][-1], sp_lt])
     table[ids(tok, env.observation([]))[-1]] = {lt: BIAS}
-    with bigram_bias(model, table):
+    with bigram_bias(model, table, generation_only=False):  # the reference below is a plain forward
         trajs = engine.generate(model, tok, prompts, FaissSearch(), n_samples=2, greedy=True)
         assert len({t.turns for t in trajs}) >= 2, "rows must leave the batch at different turns"
         assert {t.finished for t in trajs} == {True, False}
@@ -287,3 +287,12 @@ def test_bad_inputs(model, tok, env):
         with pytest.raises(ValueError, match="2 outcomes for 1 queries"):
             engine.generate(model, tok, [prompt], lambda qs: [FaissSearch().lookup(q) for q in qs * 2],
                             greedy=True)
+
+
+def test_the_steering_helper_refuses_to_bias_a_forward_outside_generation(model):
+    """``bigram_bias`` steers generation only; a forward elsewhere (as in a loss) fails the test that made it."""
+    ids = torch.tensor([[1, 2, 3]])
+    with bigram_bias(model, {}), torch.no_grad(), pytest.raises(AssertionError, match="outside RolloutEngine"):
+        model(input_ids=ids)
+    with bigram_bias(model, {}), pytest.raises(AssertionError, match="outside RolloutEngine"):
+        model(input_ids=ids)

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from bridge_pl import landscape
-from bridge_pl.problem import RLProblem
+from bridge_pl.config import RetrievalSampling
 from callbacks.landscape import LossLandscape
 
 # zero_row_norm > 0: LoRA B is all zero at init, so Li et al.'s rule alone would leave the policy slice flat
@@ -149,7 +149,7 @@ def test_answer_teacher_marks_passages_holding_a_gold_answer():
         search=lambda queries, k: (torch.zeros(len(queries), k), torch.tensor([[0, 1, -1], [2, 1, 0]])),
         passage=lambda r: types.SimpleNamespace(contents=texts[r]),
     )
-    module = types.SimpleNamespace(retriever=retriever, hparams=types.SimpleNamespace(candidates=3))
+    module = types.SimpleNamespace(retriever=retriever, retrieval_config=RetrievalSampling(candidates=3))
     batch = types.SimpleNamespace(questions=["q1", "q1", "q2"], golds=[["paris"], ["paris"], ["the Paris"]])
     queries, _, teacher = LossLandscape(teacher="answer")._g_probe(module, batch)
     assert queries == ["q1", "q2"]
@@ -166,7 +166,7 @@ def test_lm_teacher_is_the_solvers_teacher_of_the_batch(tmp_path):
         batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
     assert batch.credit_searches.numel() > 0
     queries, rows, teacher = LossLandscape(probe_queries=3)._g_probe(module, batch)
-    problem = RLProblem(module.policy, module.retriever, module.psi, None, batch, module.rl_config)
+    problem = module.problem(batch, keep_credit_graph=False)
     n = len(queries)
     assert queries == [batch.search_queries[i] for i in batch.credit_searches[:n].tolist()]
     assert torch.equal(rows, batch.search_candidates[batch.credit_searches[:n]])

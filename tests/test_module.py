@@ -6,8 +6,6 @@ import torch
 from helpers import fit_tiny, searching, tiny_cli
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from bridge_pl.problem import RLProblem
-
 
 class VersionRecorder(L.Callback):
     """Records (batch versions, module versions) at the start of every training step."""
@@ -88,7 +86,7 @@ def test_retrieved_tokens_get_zero_gradient(tmp_path):
 
     module.policy.forward = capture
     batch.rewards = torch.arange(batch.batch_size, dtype=torch.float32)  # non-zero advantages
-    problem = RLProblem(module.policy, module.retriever, module.psi, None, batch, module.rl_config)
+    problem = module.problem(batch, keep_credit_graph=False)
     captured.clear()
     problem.policy_loss().backward()
     grad = captured["logp"].grad
@@ -115,8 +113,8 @@ def test_resume_gives_the_same_next_steps(tmp_path):
 
 
 def test_ppo_trains_the_value_head(tmp_path):
-    cli = tiny_cli(tmp_path, "--model.algorithm=ppo", "--model.mode=retriever_first", "--trainer.limit_val_batches=0",
-                   "--data.reward=plugins.DistinctWordsReward")
+    cli = tiny_cli(tmp_path, "--model.rl.algorithm=ppo", "--model.mode=retriever_first",
+                   "--trainer.limit_val_batches=0", "--data.reward=plugins.DistinctWordsReward")
     head = cli.model.value_head.weight.detach().clone()
     losses = LossRecorder()
     cli.trainer.callbacks.append(losses)

@@ -63,7 +63,7 @@ class PoisonPhi(L.Callback):
 
 def test_a_poisoned_iteration_is_skipped_and_the_run_goes_on(tmp_path):
     poison = PoisonPhi({1})
-    fit_tiny(tmp_path, "--trainer.max_steps=3", "--model.lam_delta=0.5", callbacks=(poison,))
+    fit_tiny(tmp_path, "--trainer.max_steps=3", "--model.solver.lam_delta=0.5", callbacks=(poison,))
     # (iteration, φ unchanged, λ before, λ after, nonfinite/skipped)
     assert [r[1:] for r in poison.records] == [
         (False, 1.0, 1.5, 0.0), (True, 1.5, 1.5, 1.0), (False, 1.5, 2.0, 0.0)
@@ -72,5 +72,6 @@ def test_a_poisoned_iteration_is_skipped_and_the_run_goes_on(tmp_path):
 
 def test_too_many_non_finite_iterations_in_a_row_stop_the_run_naming_the_part(tmp_path):
     with pytest.raises(NonFiniteTrainingError, match=r"non-finite phi \(grad\).*2 iterations in a row.*"
-                                                     r"model.max_nonfinite_skips=2"):
-        fit_tiny(tmp_path, "--trainer.max_steps=4", "--model.max_nonfinite_skips=2", callbacks=(PoisonPhi({0, 1, 2}),))
+                                                     r"model.solver.max_nonfinite_skips=2"):
+        fit_tiny(tmp_path, "--trainer.max_steps=4", "--model.solver.max_nonfinite_skips=2",
+                 callbacks=(PoisonPhi({0, 1, 2}),))

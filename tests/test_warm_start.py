@@ -12,7 +12,7 @@ from bridge_pl.models import load_tokenizer
 from bridge_pl.policy import Policy
 from bridge_pl.rollout.engine import SearchOutcome
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
-from bridge_pl.warmstart import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
+from bridge_pl.warm_start import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
 from callbacks.warm_start import WarmStart
 
 

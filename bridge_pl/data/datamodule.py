@@ -23,15 +23,18 @@ from bridge_pl.data.qa import QAExample
 from bridge_pl.data.sources import load_qa
 from bridge_pl.policy import BranchedSequence
 from bridge_pl.rewards import ExactMatchReward, RewardFunction, extract_answer
+from bridge_pl.rollout.agent import RolloutAgent
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import RolloutEngine, Trajectory
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
+from bridge_pl.seeding import derive_seed
 
+# {think}, {search}, {information}, {answer}: the env's tag names (data.env); {question}: the question.
 INSTRUCTION = (
-    "Answer the question. Think step by step inside <think> and </think>. Whenever you are missing a fact, "
-    "search for it by writing <search> query </search>; the search results will be shown between "
-    "<information> and </information>. You may search several times. When you know the answer, write it "
-    "inside <answer> and </answer> with no explanation, for example <answer> Paris </answer>.\n"
+    "Answer the question. Think step by step inside <{think}> and </{think}>. Whenever you are missing a fact, "
+    "search for it by writing <{search}> query </{search}>; the search results will be shown between "
+    "<{information}> and </{information}>. You may search several times. When you know the answer, write it "
+    "inside <{answer}> and </{answer}> with no explanation, for example <{answer}> Paris </{answer}>.\n"
     "Question: {question}\n"
 )
 
@@ -45,7 +48,8 @@ def policy_text(trajectory: Trajectory, tokenizer) -> str:
 class _PromptStream(IterableDataset):
     """An endless, seeded stream of training batches (lists of examples), resumable by position.
 
-    Epoch e is a permutation seeded by ``seed + e``; rank r of w processes takes every w-th batch. With
+    Epoch e is a permutation seeded by ``derive_seed(seed, "epoch", e)``; rank r of w processes takes every w-th
+    batch. With
     ``mixture`` ({question type: weight}, types from ``metadata["type"]``), each batch slot instead draws a
     type by weight, then an example of that type, from an RNG seeded by ``seed`` and the batch position.
     """
@@ -74,12 +78,12 @@ class _PromptStream(IterableDataset):
     def _batches(self) -> Iterator[list[QAExample]]:
         if self.mixture:
             for position in itertools.count():
-                yield self.draw(random.Random(f"{self.seed}/mixture/{position}"))
+                yield self.draw(random.Random(derive_seed(self.seed, "mixture", position)))
         per_epoch = max(1, len(self.examples) // self.batch_size)
         epoch = 0
         while True:
             order = list(range(len(self.examples)))
-            random.Random(self.seed + epoch).shuffle(order)
+            random.Random(derive_seed(self.seed, "epoch", epoch)).shuffle(order)
             for b in range(per_epoch):
                 yield [self.examples[i] for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
             epoch += 1
@@ -108,7 +112,8 @@ class RolloutDataModule(L.LightningDataModule):
             ``single`` / ``bridge`` / ``comparison``) with these weights, instead of epochs over the set.
         env: tag names, templates and token budgets (default: Search-R1's).
         reward: the reward function (default exact match).
-        instruction: prompt template with ``{question}``.
+        instruction: prompt template with ``{question}``; ``{think}``, ``{search}``, ``{information}`` and
+            ``{answer}`` become the env's tag names.
         use_chat_template: wrap the prompt in the tokenizer's chat template when it has one.
         seed: seeds the prompt order and the sampling (retrieval and generation); None (default): the run's
             ``seed_everything`` (so one ``--seed_everything=N`` reseeds the whole run), 0 if it has none.
@@ -219,7 +224,7 @@ class RolloutDataModule(L.LightningDataModule):
     # ---- prompts --------------------------------------------------------------------------------
     def prompt_ids(self, tokenizer, question: str) -> list[int]:
         """Token ids of the prompt for ``question`` (chat-templated when the tokenizer has a template)."""
-        text = self.instruction.format(question=question)
+        text = self.instruction.format(question=question, **self.env_config.tag_names())
         if self.use_chat_template and getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
@@ -247,7 +252,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.consumed += 1
         return move_data_to_device(rollout, module.device)
 
-    def rollout(self, module, examples: list[QAExample], training: bool, dataset: str) -> RolloutBatch:
+    def rollout(self, module: RolloutAgent, examples: list[QAExample], training: bool, dataset: str) -> RolloutBatch:
         """Generate trajectories for ``examples`` with ``module``'s current policy and retriever.
 
         Training: ``n_samples`` sampled trajectories per prompt with Plackett-Luce retrieval (and, with
@@ -261,6 +266,7 @@ class RolloutDataModule(L.LightningDataModule):
             per_traj = [examples[t.prompt_index] for t in trajectories]
             scores, sampling = self._score(module, trajectories, per_traj), {}
         tokenizer = module.policy.tokenizer
+        policy_version, retriever_version = module.versions()
         batch = RolloutBatch.from_trajectories(
             trajectories,
             pad_token_id=tokenizer.pad_token_id,
@@ -270,23 +276,23 @@ class RolloutDataModule(L.LightningDataModule):
             questions=[ex.question for ex in per_traj],
             example_ids=[ex.id for ex in per_traj],
             metadata=[ex.metadata for ex in per_traj],
-            policy_version=int(module.policy_version),
-            retriever_version=module.retriever.version,
+            policy_version=policy_version,
+            retriever_version=retriever_version,
             dataset=dataset,
             sampling=sampling,
         )
-        if training and module.solver.trains_retriever:
+        if training and module.credit_queries() > 0:
             self._add_credit_sequences(batch, trajectories, per_traj, module, tokenizer)
         return batch
 
-    def _generate(self, module, examples: list[QAExample], training: bool) -> list[Trajectory]:
+    def _generate(self, module: RolloutAgent, examples: list[QAExample], training: bool) -> list[Trajectory]:
         """Roll out the policy on ``examples``: ``n_samples`` sampled trajectories each, or one greedy."""
         policy = module.policy
         tokenizer = policy.tokenizer
         if self._engine is None:
             self._engine = RolloutEngine(SearchEnv(self.env_config, tokenizer), **self.engine_args)
             self._generator = torch.Generator(device=module.device).manual_seed(
-                self.seed + 7919 * (self.trainer.global_rank if self.trainer else 0)
+                derive_seed(self.seed, "rollout", self.trainer.global_rank if self.trainer else 0)
             )
             if self._generator_state is not None:
                 self._generator.set_state(self._generator_state)
@@ -296,18 +302,17 @@ class RolloutDataModule(L.LightningDataModule):
             n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
         )
 
-    def _score(
-        self, module, trajectories: list[Trajectory], per_traj: list[QAExample]
+    def _score(self, module: RolloutAgent, trajectories: list[Trajectory], per_traj: list[QAExample]
     ) -> list[tuple[str | None, float]]:
         """(extracted answer, reward) per trajectory, from one decode of what the policy wrote (env messages
         quote the answer tags too, so they are left out)."""
         tokenizer = module.policy.tokenizer
-        tags = dict(open_tag=f"<{self.env_config.answer_tag}>", close_tag=f"</{self.env_config.answer_tag}>")
+        tags = dict(open_tag=self.env_config.open_tag("answer"), close_tag=self.env_config.close_tag("answer"))
         written = [policy_text(t, tokenizer) for t in trajectories]
         return [(extract_answer(text, **tags), self.reward(text, ex.golden_answers))
                 for text, ex in zip(written, per_traj)]
 
-    def _sample_groups(self, module, examples: list[QAExample]):
+    def _sample_groups(self, module: RolloutAgent, examples: list[QAExample]):
         """The training groups: ``(trajectories, example per trajectory, (answer, reward) per trajectory, stats)``.
 
         Without ``filter_groups``: one group of ``n_samples`` per prompt. With it (DAPO's dynamic sampling):
@@ -340,7 +345,7 @@ class RolloutDataModule(L.LightningDataModule):
             kept += signal
             if len(kept) >= self.batch_size or rounds >= self.max_sampling_rounds:
                 break
-            prompts = self._stream().draw(random.Random(f"{self.seed}/refill/{self.consumed}/{rounds}"))
+            prompts = self._stream().draw(random.Random(derive_seed(self.seed, "refill", self.consumed, rounds)))
         if self.filter_groups:
             kept = kept[: self.batch_size] or first
         flat = [(replace(t, prompt_index=g), ex, r) for g, group in enumerate(kept) for t, ex, r in group]
@@ -349,7 +354,8 @@ class RolloutDataModule(L.LightningDataModule):
         return [t for t, _, _ in flat], [ex for _, ex, _ in flat], [r for _, _, r in flat], stats
 
     def _add_credit_sequences(
-        self, batch: RolloutBatch, trajectories: list[Trajectory], examples: list[QAExample], module, tokenizer,
+        self, batch: RolloutBatch, trajectories: list[Trajectory], examples: list[QAExample], module: RolloutAgent,
+        tokenizer,
     ) -> None:
         """For up to ``credit_queries`` search calls, the packed LM-credit sequence (docs/method.md section 2).
 
@@ -360,22 +366,22 @@ class RolloutDataModule(L.LightningDataModule):
         S = batch.search_traj.numel()
         if S == 0:
             return
-        rng = random.Random(self.seed * 1_000_003 + self.consumed)
-        chosen = sorted(rng.sample(range(S), min(S, module.hparams.credit_queries)))
+        rng = random.Random(derive_seed(self.seed, "credit", self.consumed))
+        chosen = sorted(rng.sample(range(S), min(S, module.credit_queries())))
         calls = [(t, call) for t, traj in enumerate(trajectories) for call in traj.searches]
         env, tags = self._engine.env, self.env_config
 
         def ids(text: str) -> list[int]:
             return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-        answer_open = ids(f"<{tags.answer_tag}>")
+        answer_open = ids(tags.open_tag("answer"))
         sequences = []
         for s in chosen:
             t, call = calls[s]
             traj = trajectories[t]
             prefix = traj.prompt_ids + traj.response_ids[: call.position]
             branches = [
-                ids(env.observation([module.retriever.passage(row)])) + answer_open if row >= 0 else answer_open
+                ids(env.observation([module.passage(row)])) + answer_open if row >= 0 else answer_open
                 for row in batch.search_candidates[s].tolist()
             ]
             sequences.append(BranchedSequence(prefix, branches, ids(f" {examples[t].golden_answers[0]}")))

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
 
+from bridge_pl.config import require_choice
 from bridge_pl.data.qa import Passage
 from bridge_pl.retrieval.base import Retriever
 
-BM25_METHODS = ("robertson", "lucene", "bm25l", "bm25+", "atire")
+BM25Method = Literal["robertson", "lucene", "bm25l", "bm25+", "atire"]
 
 
 def top_k_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,7 +36,7 @@ class BM25Retriever(Retriever):
     Args:
         corpus: a spec for ``bridge_pl.data.sources.load_corpus`` or the passages themselves.
         k1, b: BM25 term-frequency saturation and length normalisation.
-        method: BM25 variant, one of ``BM25_METHODS`` (bm25s).
+        method: BM25 variant, ``robertson``, ``lucene``, ``bm25l``, ``bm25+`` or ``atire`` (bm25s).
         stopwords: stop-word list name for ``bm25s.tokenize`` (``"en"``) or ``None`` to keep all words.
     """
 
@@ -43,14 +45,11 @@ class BM25Retriever(Retriever):
         corpus: str | list[Passage],
         k1: float = 1.5,
         b: float = 0.75,
-        method: str = "lucene",
+        method: BM25Method = "lucene",
         stopwords: str | None = "en",
     ) -> None:
         super().__init__()
-        if method not in BM25_METHODS:
-            raise ValueError(
-                f"BM25Retriever option 'method' must be one of {list(BM25_METHODS)}, got {method!r}"
-            )
+        require_choice("BM25Retriever option 'method'", method, BM25Method)
         self.k1, self.b, self.method, self.stopwords = k1, b, method, stopwords
         if isinstance(corpus, str):
             self._corpus_spec, self._passages = corpus, None

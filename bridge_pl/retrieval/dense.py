@@ -16,9 +16,9 @@ import copy
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -26,21 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from bridge_pl.config import require_choice
 from bridge_pl.data.qa import Passage
+from bridge_pl.eval_mode import eval_mode
 from bridge_pl.retrieval.base import Retriever
-from bridge_pl.retrieval.index import INDEX_KINDS, DenseIndex, is_verified, write_verified
+from bridge_pl.retrieval.index import DenseIndex, IndexKind, is_verified, write_verified
 
 log = logging.getLogger(__name__)
 
-POOLINGS = ("mean", "cls")
-PASSAGE_TOWERS = ("frozen", "tied", "trainable")
+Pooling = Literal["mean", "cls"]
+PassageTower = Literal["frozen", "tied", "trainable"]
 INDEX_OPTIONS = ("nlist", "nprobe", "hnsw_m", "ef_search", "ef_construction")
-
-
-def _choice(option: str, value: str, allowed: Sequence[str]) -> str:
-    if value not in allowed:
-        raise ValueError(f"DenseRetriever option '{option}' must be one of {list(allowed)}, got {value!r}")
-    return value
 
 
 class EncoderTower(nn.Module):
@@ -52,7 +48,7 @@ class EncoderTower(nn.Module):
     """
 
     def __init__(
-        self, encoder: nn.Module, tokenizer, pooling: str = "mean", normalize: bool = True,
+        self, encoder: nn.Module, tokenizer, pooling: Pooling = "mean", normalize: bool = True,
         prefix: str = "", max_length: int = 64,
     ) -> None:
         super().__init__()
@@ -62,7 +58,7 @@ class EncoderTower(nn.Module):
             encoder.pooler = None
         self.encoder = encoder
         self.tokenizer = tokenizer
-        self.pooling = _choice("pooling", pooling, POOLINGS)
+        self.pooling = require_choice("EncoderTower pooling", pooling, Pooling)
         self.normalize = normalize
         self.prefix = prefix
         self.max_length = max_length
@@ -132,19 +128,6 @@ class EncoderTower(nn.Module):
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
-@contextmanager
-def eval_mode(*modules: nn.Module) -> Iterator[None]:
-    """Put ``modules`` in eval mode for the block, then restore each one's own train/eval flag."""
-    flags = [m.training for m in modules]
-    try:
-        for m in modules:
-            m.eval()
-        yield
-    finally:
-        for m, flag in zip(modules, flags, strict=True):
-            m.train(flag)
-
-
 def corpus_hash(passages: Sequence[Passage]) -> str:
     """Hex digest of the passages' ids, titles and texts, in row order."""
     h = hashlib.blake2b(digest_size=16)
@@ -186,10 +169,10 @@ class DenseRetriever(Retriever):
         encoder: str = "minilm-l6",
         query_prefix: str = "",
         passage_prefix: str = "",
-        pooling: str = "mean",
+        pooling: Pooling = "mean",
         normalize: bool = True,
-        passage_tower: str = "frozen",
-        index: str = "flat",
+        passage_tower: PassageTower = "frozen",
+        index: IndexKind = "flat",
         index_options: dict | None = None,
         max_query_length: int = 64,
         max_passage_length: int = 256,
@@ -204,9 +187,9 @@ class DenseRetriever(Retriever):
         super().__init__()
         from bridge_pl.models import load_encoder, load_tokenizer
 
-        _choice("pooling", pooling, POOLINGS)  # fail before loading any weights
-        self.passage_tower = _choice("passage_tower", passage_tower, PASSAGE_TOWERS)
-        self.index_kind = _choice("index", index, INDEX_KINDS)
+        require_choice("DenseRetriever option 'pooling'", pooling, Pooling)  # fail before loading any weights
+        self.passage_tower = require_choice("DenseRetriever option 'passage_tower'", passage_tower, PassageTower)
+        self.index_kind = require_choice("DenseRetriever option 'index'", index, IndexKind)
         self.index_options = dict(index_options or {})
         unknown = sorted(set(self.index_options) - set(INDEX_OPTIONS))
         if unknown:

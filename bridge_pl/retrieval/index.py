@@ -14,13 +14,15 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 import faiss
 import numpy as np
 import torch
 
-INDEX_KINDS = ("flat", "ivf", "hnsw")
+from bridge_pl.config import require_choice
+
+IndexKind = Literal["flat", "ivf", "hnsw"]
 
 
 class StaleIndexError(RuntimeError):
@@ -119,7 +121,7 @@ class DenseIndex:
     def __init__(
         self,
         dim: int,
-        kind: str = "flat",
+        kind: IndexKind = "flat",
         fingerprint: str = "",
         nlist: int | None = None,
         nprobe: int = 32,
@@ -128,8 +130,7 @@ class DenseIndex:
         ef_construction: int = 80,
         device: str | torch.device = "cpu",
     ) -> None:
-        if kind not in INDEX_KINDS:
-            raise ValueError(f"index kind must be one of {INDEX_KINDS}, got {kind!r}")
+        require_choice("DenseIndex kind", kind, IndexKind)
         if dim <= 0:
             raise ValueError(f"index dim must be positive, got {dim}")
         self.dim = dim

@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bridge_pl.data.qa import Passage
+from bridge_pl.eval_mode import eval_mode
 from bridge_pl.rollout.env import Action, SearchEnv
 
 
@@ -183,13 +184,8 @@ class RolloutEngine:
             raise ValueError("RolloutEngine.generate: prompts must be a non-empty list of non-empty id lists")
         if n_samples < 1:
             raise ValueError(f"RolloutEngine.generate: n_samples must be >= 1, got {n_samples}")
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                rollouts = self._run(model, tokenizer, prompts, search_fn, n_samples, greedy, generator)
-        finally:
-            model.train(was_training)
+        with eval_mode(model), torch.no_grad():
+            rollouts = self._run(model, tokenizer, prompts, search_fn, n_samples, greedy, generator)
         return [
             Trajectory(
                 prompt_index=r.prompt_index, prompt_ids=r.prompt_ids, response_ids=r.response_ids,

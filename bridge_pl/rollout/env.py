@@ -38,6 +38,7 @@ from typing import Literal, Protocol
 from bridge_pl.data.qa import Passage
 
 ActionKind = Literal["search", "answer", "invalid"]
+TagKind = Literal["think", "search", "answer", "information"]
 
 
 class TextCodec(Protocol):
@@ -88,6 +89,23 @@ class EnvConfig:
     max_query_tokens: int = 128
     max_observation_tokens: int = 500
 
+    def tag_names(self) -> dict[TagKind, str]:
+        """``{"think": ..., "search": ..., "answer": ..., "information": ...}``: the tag name of each kind."""
+        return {"think": self.think_tag, "search": self.search_tag, "answer": self.answer_tag,
+                "information": self.information_tag}
+
+    def open_tag(self, kind: TagKind) -> str:
+        """``<name>`` of the tag of ``kind``."""
+        return f"<{self.tag_names()[kind]}>"
+
+    def close_tag(self, kind: TagKind) -> str:
+        """``</name>`` of the tag of ``kind``."""
+        return f"</{self.tag_names()[kind]}>"
+
+    def wrap(self, kind: TagKind, content: str) -> str:
+        """``<name> content </name>``, the way the policy is asked to write a tag."""
+        return f"{self.open_tag(kind)} {content} {self.close_tag(kind)}"
+
     def __post_init__(self) -> None:
         tags = {
             "think_tag": self.think_tag, "search_tag": self.search_tag,
@@ -121,8 +139,7 @@ class SearchEnv:
         self.config = config or EnvConfig()
         self.tokenizer = tokenizer
         c = self.config
-        names = {"think": c.think_tag, "search": c.search_tag, "answer": c.answer_tag,
-                 "information": c.information_tag}
+        names = c.tag_names()
         self.invalid_message = c.invalid_message.format(**names)
         self.final_notice = c.final_notice.format(**names)
         self._tag_re = re.compile("<(/?)(" + "|".join(re.escape(t) for t in names.values()) + ")>")
@@ -136,7 +153,7 @@ class SearchEnv:
     @property
     def stop_strings(self) -> tuple[str, str]:
         """Generation of a turn ends right after the first of these."""
-        return f"</{self.config.search_tag}>", f"</{self.config.answer_tag}>"
+        return self.config.close_tag("search"), self.config.close_tag("answer")
 
     # ---- parsing ------------------------------------------------------------------------------
     def parse_action(self, text: str) -> Action:

@@ -41,12 +41,10 @@ def demonstration_segments(
     outcomes = retrieve(queries)
     for i, (query, outcome) in enumerate(zip(queries, outcomes)):
         lead = "I need to look this up." if i == 0 else "I need one more fact."
-        segments.append((f"<{cfg.think_tag}> {lead} </{cfg.think_tag}>\n<{cfg.search_tag}> {query} </{cfg.search_tag}>",
-                         True))
+        segments.append((f"{cfg.wrap('think', lead)}\n{cfg.wrap('search', query)}", True))
         segments.append((env.observation(outcome.passages), False))
     answer = example.golden_answers[0]
-    segments.append((f"<{cfg.think_tag}> I have the answer. </{cfg.think_tag}>\n"
-                     f"<{cfg.answer_tag}> {answer} </{cfg.answer_tag}>", True))
+    segments.append((f"{cfg.wrap('think', 'I have the answer.')}\n{cfg.wrap('answer', answer)}", True))
     return segments
 
 

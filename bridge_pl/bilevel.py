@@ -430,9 +430,11 @@ def make_solver(mode: str, config: SolverConfig | None = None) -> Solver:
     config = config or SolverConfig()
     unused = unused_settings(mode, config)
     if unused:
+        defaults = " ".join(f"--model.solver.{n}={SolverConfig.__dataclass_fields__[n].default}" for n in unused)
         raise ValueError(
-            f"model.mode '{mode}' does not use {', '.join('model.solver.' + n for n in unused)}; remove "
-            f"{'it' if len(unused) == 1 else 'them'} (the mode uses {', '.join(SOLVERS[mode].settings)})"
+            f"model.mode '{mode}' does not use {', '.join('model.solver.' + n for n in unused)}: remove "
+            f"{'it' if len(unused) == 1 else 'them'} from the config or set the default ({defaults}); the mode "
+            f"uses {', '.join(SOLVERS[mode].settings)}"
         )
     cls = SOLVERS[mode]
     return cls(**{name: getattr(config, name) for name in cls.settings})

@@ -52,6 +52,9 @@ _DATA_RULES: dict[str, tuple[Any, str]] = {
     "data.temperature": (lambda v: v > 0, "> 0"),
     "data.max_eval_examples": (lambda v: v >= 1, "null (all) or an integer >= 1"),
     "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "data.type_mixture": (lambda v: min(v.values(), default=0) >= 0 and sum(v.values()) > 0,
+                          "weights >= 0 with a positive sum"),
+    "data.instruction": (lambda v: "{question}" in v, "a template containing '{question}'"),
 }
 
 

@@ -63,7 +63,18 @@ def _run(tmp_path, capfd, *args: str) -> str:
 
 @pytest.mark.parametrize("args, message", OPTION_CASES.values(), ids=OPTION_CASES.keys())
 def test_a_bad_option_is_named_before_anything_runs(tmp_path, capfd, args, message):
-    assert message in _run(tmp_path, capfd, "--config", TINY, *args)
+    text = _run(tmp_path, capfd, "--config", TINY, *args)
+    assert message in text
+    assert "Loading weights" not in text  # transformers' load progress: no model was loaded
+
+
+def test_a_good_config_does_load_weights(tmp_path, capfd):
+    """The counterpart of the check above: an accepted config does print transformers' load progress."""
+    from helpers import tiny_cli
+
+    tiny_cli(tmp_path)
+    out, err = capfd.readouterr()
+    assert "Loading weights" in out + err
 
 
 def test_a_missing_config_file_is_named(tmp_path, capfd):

@@ -1,20 +1,39 @@
 """The ``bridge-pl`` command: help, config printing, the world writer, and a retriever plugged by YAML."""
 
 import filecmp
+from dataclasses import fields
+from typing import get_args
 
 import pytest
 import torch
 from helpers import CONFIGS, fit_tiny
 
 from bridge_pl.cli import main
+from bridge_pl.config import GROUPS, Algorithm, KLKind, LossAgg
+from bridge_pl.module import Mode
+from bridge_pl.retrieval.dense import PassageTower, Pooling
+from bridge_pl.retrieval.index import IndexKind
 
 
 def test_fit_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--help"])
     assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # help text is wrapped to the terminal width
+    assert "--model.policy_optimizer" in out and "--model.retriever_optimizer" in out
+    # every settings group, each field with its documentation, and the allowed values of each closed choice
+    for cls in GROUPS.values():
+        for field in fields(cls):
+            assert f"--model.{cls.PREFIX.split('.')[1]}.{field.name}" in out
+    assert "iteration (K_φ; every mode that trains the retriever)" in out  # a field's description
+    for flag, choices in [("--model.mode", Mode), ("--model.rl.algorithm", Algorithm), ("--model.rl.kl_kind", KLKind),
+                          ("--model.rl.loss_agg", LossAgg)]:
+        assert f"{flag} {{{','.join(get_args(choices))}}}" in out
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.retriever.help", "bridge_pl.retrieval.dense.DenseRetriever"])
     out = capsys.readouterr().out
-    assert "--model.mode" in out and "--model.policy_optimizer" in out and "--model.retriever_optimizer" in out
+    for option, choices in [("pooling", Pooling), ("passage_tower", PassageTower), ("index", IndexKind)]:
+        assert f"--model.retriever.{option} {{{','.join(get_args(choices))}}}" in out
 
 
 def test_print_config(capsys):

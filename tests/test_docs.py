@@ -1,0 +1,38 @@
+"""The repo carries its own docs: every citation of docs/method.md resolves to a section there."""
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+CITATION = re.compile(r"method\.md,? (?:sections? )?(\d+(?:\.\d+)?)(?:-(\d+))?")
+
+
+def _tracked_text() -> dict[str, str]:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    texts = {}
+    for name in files:
+        if Path(name).suffix in {".py", ".md", ".yaml", ".toml", ".cfg", ".txt", ""}:
+            path = ROOT / name
+            if path.is_file():
+                texts[name] = path.read_text(encoding="utf-8", errors="replace")
+    return texts
+
+
+def test_no_file_points_outside_the_repo_for_its_docs():
+    outside = "shared/" + "docs"  # split so this file does not match itself
+    assert [name for name, text in _tracked_text().items() if outside in text] == []
+
+
+def test_every_method_citation_names_a_section_of_docs_method():
+    headings = re.findall(r"^#{2,3} (\d+(?:\.\d+)?)[. ]", (ROOT / "docs/method.md").read_text(), re.M)
+    sections = set(headings)
+    cited = {}
+    for name, text in _tracked_text().items():
+        for match in CITATION.finditer(text):
+            first, last = match.group(1), match.group(2)
+            numbers = [str(n) for n in range(int(first), int(last) + 1)] if last else [first]
+            for number in numbers:
+                cited.setdefault(number, name)
+    assert cited, "no citations found: the pattern is out of date"
+    assert {number: name for number, name in cited.items() if number not in sections} == {}

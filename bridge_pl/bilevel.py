@@ -19,6 +19,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bridge_pl.config import SolverConfig
+from bridge_pl.distributed import any_across_ranks, max_across_ranks
 
 
 class BilevelProblem(Protocol):
@@ -69,6 +70,10 @@ class ParamUpdate:
         clip_norm: max global grad norm for this optimizer's parameters (None: no clipping).
         on_step: called after every step (e.g. bump the retriever version).
         name: what this update trains (``policy``, ``phi``, ``psi``), for the non-finite report.
+        sync_grads: called with the parameters after the backward, before clipping (e.g. averaging the gradients
+            of parameters replicated across data-parallel ranks).
+        pad_pass: a zero loss through every sharded unit; when given, a rank whose loss had fewer parts than
+            another's backpropagates it until all ranks have run the same number of backward passes (FSDP2).
 
     A non-finite loss or gradient norm skips the step: the gradients are dropped, the weights and the
     optimizer state stay as they were, ``on_step`` is not called, and ``nonfinite`` records what went bad.
@@ -79,6 +84,8 @@ class ParamUpdate:
     clip_norm: float | None = None
     on_step: Callable[[], None] | None = None
     name: str = ""
+    sync_grads: Callable[[list[torch.Tensor]], None] | None = None
+    pad_pass: Callable[[], torch.Tensor] | None = None
     nonfinite: list[str] = field(default_factory=list)  # e.g. ["loss", "grad"] of skipped steps
 
     @property
@@ -92,15 +99,21 @@ class ParamUpdate:
     def step_parts(self, parts: Iterable[torch.Tensor], lr_scale: float = 1.0) -> tuple[float, float]:
         """Backward each term of a loss in turn (gradient accumulation), then one step.
 
-        Returns (the summed loss, the grad norm before clipping).
+        Returns (the summed loss, the grad norm before clipping). In a multi-process run the skip for a
+        non-finite loss is decided over all ranks, so that they all step or all skip.
         """
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
+        passes = 0
         for part in parts:
             if part.requires_grad:  # a term with no data (e.g. no searches this batch) has no graph
                 self.backward(part)
+                passes += 1
             total += float(part.detach())
-        if not math.isfinite(total):
+        if self.pad_pass is not None:
+            for _ in range(max_across_ranks(passes) - passes):
+                self.backward(self.pad_pass())
+        if any_across_ranks(not math.isfinite(total)):
             self._skip("loss")
             return total, float("nan")
         return total, self.apply_grads(lr_scale)
@@ -114,8 +127,12 @@ class ParamUpdate:
 
         A non-finite norm (a NaN or inf anywhere in the gradients) skips the step (class docstring).
         """
+        if self.sync_grads is not None:
+            self.sync_grads(self.params)
         grads = [p for p in self.params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(grads, self.clip_norm or float("inf")) if grads else torch.zeros(())
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+            norm = norm.full_tensor()
         if not torch.isfinite(norm):
             self._skip("grad")
             return float(norm)

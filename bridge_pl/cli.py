@@ -22,6 +22,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from bridge_pl.bilevel import make_solver
 from bridge_pl.config import SolverConfig, group_problems
 from bridge_pl.data.datamodule import RolloutDataModule
+from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
 from bridge_pl.module import BridgeModule
 
 DEBUG_ENV = "BRIDGE_PL_DEBUG"  # set to 1: errors show their Python traceback
@@ -67,6 +68,9 @@ def config_problems(config) -> list[str]:
         value = config.get(key)
         if value is not None and not ok(value):  # None: an optional setting left unset
             problems.append(f"{key} must be {requirement}, got {value!r}")
+    strategy = config.get("trainer.strategy")
+    if strategy is not None and is_fsdp1(strategy):
+        problems.append(FSDP1_REFUSAL)
     model = config.get("model")
     problems += group_problems(model)
     if not problems and model is not None and model.get("solver") is not None:

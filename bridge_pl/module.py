@@ -23,6 +23,15 @@ from torch import nn
 from bridge_pl import rl
 from bridge_pl.bilevel import ParamUpdate, Updates, make_solver
 from bridge_pl.config import RetrievalSampling, RLConfig, SolverConfig
+from bridge_pl.distributed import (
+    FSDP1_REFUSAL,
+    average_replicated_grads,
+    gather_per_rank,
+    is_fsdp1,
+    is_sharded,
+    shard_root,
+    this_ranks,
+)
 from bridge_pl.metrics import QAMetrics
 from bridge_pl.policy import Policy
 from bridge_pl.problem import RLProblem
@@ -105,7 +114,21 @@ class BridgeModule(L.LightningModule):
 
     # ---- setup ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        if self._trainer is not None and is_fsdp1(self.trainer.strategy):
+            raise ValueError(FSDP1_REFUSAL)
         self.retriever.prepare()
+
+    def configure_model(self) -> None:
+        """Under ``strategy: fsdp2``: shard the policy (and a PPO value head) with FSDP2 over the data-parallel
+        mesh. The retriever towers stay replicated; their gradients are averaged across ranks before each step
+        (``bridge_pl.distributed``). Nothing to do under other strategies."""
+        mesh = self.device_mesh
+        if mesh is None or is_sharded(self.policy.model):
+            return
+        data_parallel = mesh["data_parallel"] if mesh.mesh_dim_names else mesh
+        self.policy.shard(data_parallel)
+        if self.value_head is not None:
+            shard_root(self.value_head, data_parallel)
 
     def configure_optimizers(self):
         """One optimizer per trained part, by name (``optimizer_names``): ``policy``; ``phi`` (the query encoder,
@@ -156,12 +179,26 @@ class BridgeModule(L.LightningModule):
         if "critic" in named:  # the critic head trains in the same backward as the policy
             policy_opt = _JointOptimizer([policy_opt, named["critic"]])
         clip = solver.grad_clip_retriever
+        # FSDP2 reduces the policy's sharded gradients; the replicated retriever towers need it done
+        sharded = is_sharded(self.policy.model)
+        sync = average_replicated_grads if sharded else None
         return Updates(
-            policy=ParamUpdate(policy_opt, backward, solver.grad_clip_policy, name="policy"),
-            phi=ParamUpdate(named["phi"], backward, clip, self.retriever.bump_version, name="phi")
+            policy=ParamUpdate(policy_opt, backward, solver.grad_clip_policy, name="policy",
+                               pad_pass=self._pad_pass if sharded else None),
+            phi=ParamUpdate(named["phi"], backward, clip, self.retriever.bump_version, name="phi", sync_grads=sync)
             if "phi" in named else None,
-            psi=ParamUpdate(named["psi"], backward, clip, name="psi") if "psi" in named else None,
+            psi=ParamUpdate(named["psi"], backward, clip, name="psi", sync_grads=sync) if "psi" in named else None,
         )
+
+    def _pad_pass(self) -> torch.Tensor:
+        """A zero loss through every sharded unit (the policy on two tokens, and the value head): what a rank with
+        fewer policy micro-batches than another backpropagates so that all ranks run the same passes."""
+        ids = torch.full((1, 2), self.policy.tokenizer.eos_token_id or 0, dtype=torch.long, device=self.device)
+        logp, _, hidden = self.policy(ids, torch.ones_like(ids))
+        loss = logp.sum() * 0.0
+        if self.value_head is not None:
+            loss = loss + self.value_head(hidden.detach().float()).sum() * 0.0
+        return loss
 
     # ---- retrieval during rollouts ---------------------------------------------------------------
     @torch.no_grad()
@@ -337,7 +374,7 @@ class BridgeModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trained | buffers}
         checkpoint["bridge"] = {
             "solver": self.solver.state_dict(),
-            "rng": _rng_state(),
+            "rng": gather_per_rank(_rng_state()),  # each rank's own streams (rank 0 writes the file)
         }
         index_tower = getattr(self.retriever, "index_tower_state", lambda: None)()
         if index_tower is not None:  # a trained passage tower: the weights behind the (maybe stale) index
@@ -347,7 +384,7 @@ class BridgeModule(L.LightningModule):
         state = checkpoint.get("bridge", {})
         self.solver.load_state_dict(state.get("solver", {}) or self.solver.state_dict())
         if "rng" in state:
-            _set_rng_state(state["rng"])
+            _set_rng_state(this_ranks(state["rng"]))
         if "index_tower" in state:
             self.retriever.restore_index(state["index_tower"])
 

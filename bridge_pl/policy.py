@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bridge_pl.distributed import call_under_root, decoder_layers, is_sharded, shard_root
 from bridge_pl.models import load_causal_lm, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -257,6 +258,9 @@ class Policy(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Per-token log-probs of ``input_ids`` under the policy (or ``model``, e.g. the reference).
 
+        Runs the backbone and the LM head as submodules; under FSDP2 the whole pass runs inside the root's
+        forward hooks (``distributed.call_under_root``), so the root's sharded parameters are gathered for it.
+
         Args:
             input_ids: ``[B, T]``, right- or left-padded.
             attention_mask: ``[B, T]`` 0/1, or a ready ``[B, 1, T, T]`` bool mask (True = may attend; then
@@ -272,6 +276,11 @@ class Policy(nn.Module):
             hidden ``[B, T, H]``: last hidden states (for a value head).
         """
         model = self.model if model is None else model
+        return call_under_root(model, self._forward, model, input_ids, attention_mask, temperature, score_mask,
+                               entropy, position_ids, entropy_grad)
+
+    def _forward(self, model, input_ids, attention_mask, temperature, score_mask, entropy, position_ids,
+                 entropy_grad) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         backbone = getattr(hf, hf.base_model_prefix)
         head = hf.get_output_embeddings()
@@ -384,11 +393,38 @@ class Policy(nn.Module):
         counts = counts.scatter_add(1, seg, score.float())
         return per_branch / counts.clamp(min=1)
 
-    # ---- persistence ----------------------------------------------------------------------------
+    # ---- sharding and persistence -------------------------------------------------------------------
+    def shard(self, mesh) -> None:
+        """FSDP2: shard each decoder block, then the root (embeddings, final norm, LM head), of the policy and of
+        a full-fine-tuning reference copy.
+
+        FSDP2 all-gathers one unit's parameters as one buffer, so they must share a dtype: when the LoRA weights
+        (peft keeps them in float32) differ from a bfloat16 base, each LoRA matrix becomes its own unit first.
+        """
+        blocks = decoder_layers(self.hf_model)
+        if self.lora and len({p.dtype for p in self.model.parameters()}) > 1:
+            adapters = [m for name, m in self.model.named_modules()
+                        if isinstance(m, nn.Linear) and (".lora_A." in name or ".lora_B." in name)]
+            blocks = adapters + blocks
+        shard_root(self.model, mesh, blocks)
+        if self.reference is not None:
+            shard_root(self.reference, mesh, decoder_layers(self.reference))
+
     def save_adapter(self, path: str | Path) -> None:
-        """Save in the standard peft layout (``PeftModel.from_pretrained(base, path)`` loads it)."""
-        self.model.save_pretrained(str(path))
-        self.tokenizer.save_pretrained(str(path))
+        """Save in the standard peft layout (``PeftModel.from_pretrained(base, path)`` loads it). In a
+        multi-process run every rank calls it and rank 0 writes; sharded (FSDP2) weights are gathered first."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        state = None
+        if is_sharded(self.model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(self.model, options=options)
+        if not distributed or torch.distributed.get_rank() == 0:
+            self.model.save_pretrained(str(path), state_dict=state)
+            self.tokenizer.save_pretrained(str(path))
+        if distributed:
+            torch.distributed.barrier()
 
     def trained_state_dict(self) -> dict[str, torch.Tensor]:
         """Only what trains (adapters, or all weights for full fine-tuning): what a checkpoint holds."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from bridge_pl import rl
 from bridge_pl.config import RetrievalSampling, RLConfig
+from bridge_pl.distributed import any_across_ranks
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.policy import Policy, budget_groups
 from bridge_pl.retrieval.base import Retriever
@@ -210,8 +211,9 @@ class RLProblem:
         return [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
 
     def has_policy_signal(self) -> bool:
-        """Whether any trajectory has a non-zero advantage (GRPO: some group's rewards differ)."""
-        return bool((self.seq_advantages != 0).any()) or self.value_head is not None
+        """Whether any trajectory has a non-zero advantage (GRPO: some group's rewards differ), on any rank: all
+        ranks step θ or none does."""
+        return any_across_ranks(bool((self.seq_advantages != 0).any()) or self.value_head is not None)
 
     def policy_loss(self) -> torch.Tensor:
         return sum(self.policy_loss_parts())

@@ -6,10 +6,10 @@ import random
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
+from bridge_pl.distributed import average_replicated_grads
 from bridge_pl.rewards import exact_match
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
@@ -92,11 +92,7 @@ class WarmStart(L.Callback):
             loss = sft_loss(policy, demos)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            if dist.is_available() and dist.is_initialized():  # keep the ranks' weights identical
-                for p in params:
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        p.grad /= dist.get_world_size()
+            average_replicated_grads(params)  # keep the ranks' weights identical (FSDP2 shards are reduced already)
             torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
             optimizer.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
@@ -106,7 +102,7 @@ class WarmStart(L.Callback):
         policy.rebase_reference()  # RL's KL term pulls towards the warm-started policy, not the base model
         rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss.item():.3f}); "
                        "the warm-started policy is the KL reference from here on")
-        if self.save_to is not None and trainer.is_global_zero:
+        if self.save_to is not None:  # every rank: a sharded adapter is gathered first; rank 0 writes
             policy.save_adapter(self.save_to)
             rank_zero_info(f"WarmStart: warm-started policy saved in {self.save_to}")
         if self.evaluate:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from bridge_pl.data.qa import QAExample
 from bridge_pl.data.sources import load_qa
+from bridge_pl.distributed import gather_per_rank, this_ranks
 from bridge_pl.policy import BranchedSequence
 from bridge_pl.rewards import ExactMatchReward, RewardFunction, extract_answer
 from bridge_pl.rollout.agent import RolloutAgent
@@ -213,13 +214,15 @@ class RolloutDataModule(L.LightningDataModule):
     def state_dict(self) -> dict:
         """The data position and the sampling generator's state (saved in checkpoints)."""
         state: dict = {"consumed": self.consumed}
-        if self._generator is not None:
-            state["generator"] = self._generator.get_state()
+        generator = self._generator.get_state() if self._generator is not None else None
+        generators = gather_per_rank(generator)  # every rank samples with its own generator
+        if any(g is not None for g in generators):
+            state["generator"] = generators
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.consumed = int(state_dict["consumed"])
-        self._generator_state = state_dict.get("generator")
+        self._generator_state = this_ranks(state_dict.get("generator"))
 
     # ---- prompts --------------------------------------------------------------------------------
     def prompt_ids(self, tokenizer, question: str) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -137,4 +138,62 @@ class RolloutBatch:
             retriever_version=retriever_version,
             dataset=dataset,
             sampling=dict(sampling or {}),
+        )
+
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+        """One batch holding ``batches`` in order, as if generated together (e.g. the per-rank shards of one
+        data-parallel step): tokens right-padded to the longest, group ids kept apart, search and credit indices
+        offset. The batches must come from the same policy and retriever versions; ``sampling`` stats are dropped.
+        """
+        if not batches:
+            raise ValueError("RolloutBatch.concat: no batches")
+        versions = {(b.policy_version, b.retriever_version, b.dataset) for b in batches}
+        if len(versions) > 1:
+            raise ValueError(f"RolloutBatch.concat: batches from different versions or datasets: {sorted(versions)}")
+        T = max(b.input_ids.shape[1] for b in batches)
+        K = max(b.search_candidates.shape[1] for b in batches)
+        k = max(b.search_order.shape[1] for b in batches)
+
+        def right_pad(x: torch.Tensor, width: int, value) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+        group_offsets, traj_offsets, search_offsets = [], [], []
+        groups = trajs = searches = 0
+        for b in batches:
+            group_offsets.append(groups)
+            traj_offsets.append(trajs)
+            search_offsets.append(searches)
+            groups += int(b.group_ids.max()) + 1 if b.batch_size else 0
+            trajs += b.batch_size
+            searches += b.search_traj.numel()
+
+        def joined(name: str) -> list:
+            return [item for b in batches for item in getattr(b, name)]
+
+        return cls(
+            input_ids=torch.cat([right_pad(b.input_ids, T, pad_token_id) for b in batches]),
+            attention_mask=torch.cat([right_pad(b.attention_mask, T, 0) for b in batches]),
+            action_mask=torch.cat([right_pad(b.action_mask, T, 0.0) for b in batches]),
+            rewards=torch.cat([b.rewards for b in batches]),
+            group_ids=torch.cat([b.group_ids + o for b, o in zip(batches, group_offsets)]),
+            turns=torch.cat([b.turns for b in batches]),
+            valid_actions=torch.cat([b.valid_actions for b in batches]),
+            invalid_actions=torch.cat([b.invalid_actions for b in batches]),
+            search_traj=torch.cat([b.search_traj + o for b, o in zip(batches, traj_offsets)]),
+            search_candidates=torch.cat([right_pad(b.search_candidates, K, -1) for b in batches]),
+            search_order=torch.cat([right_pad(b.search_order, k, 0) for b in batches]),
+            search_logprob=torch.cat([b.search_logprob for b in batches]),
+            search_queries=joined("search_queries"),
+            responses=joined("responses"),
+            answers=joined("answers"),
+            golds=joined("golds"),
+            questions=joined("questions"),
+            example_ids=joined("example_ids"),
+            metadata=joined("metadata"),
+            policy_version=batches[0].policy_version,
+            retriever_version=batches[0].retriever_version,
+            dataset=batches[0].dataset,
+            credit_searches=torch.cat([b.credit_searches + o for b, o in zip(batches, search_offsets)]),
+            credit_sequences=joined("credit_sequences"),
         )

@@ -1,0 +1,187 @@
+"""What multi-process runs need: the ``fsdp2`` strategy, FSDP2 sharding of the policy, per-rank state, gradient
+averaging of replicated parameters, and the refusal of Lightning's FSDP1 strategy (docs/design.md, "Scale").
+
+Under ``fsdp2`` (Lightning's ``ModelParallelStrategy``, data-parallel only) the module is not wrapped:
+``BridgeModule.configure_model`` shards the policy with ``fully_shard`` (each decoder block, then the root, which
+keeps the embeddings, the final norm and a tied LM head in one unit) and the PPO value head. The retriever towers
+(φ, ψ, a trained passage tower) are small and stay replicated on every rank; their gradients are averaged across
+ranks before each step (:func:`average_replicated_grads`), which is what DDP would do for them.
+
+Ranks do different amounts of work in an iteration: their rollouts have different lengths, their batches
+different numbers of micro-batches and LM-credit searches. Collectives must still line up, so:
+
+- units are sharded with ``reshard_after_forward=False``: a unit's parameters are gathered at its first forward
+  after a backward and stay gathered until the next backward (gradients and optimizer state stay sharded, as in
+  ZeRO-2), so forwards that only some ranks run (generation steps, scoring passes) need no collective;
+- every rank runs the same number of backward passes per update: ``ParamUpdate`` pads a rank's parts with
+  zero-weighted passes (:func:`max_across_ranks`);
+- decisions that change the work (skip the θ step, skip a non-finite update) are taken over all ranks
+  (:func:`any_across_ranks`).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch import nn
+
+FSDP1_REFUSAL = (
+    "trainer.strategy: Lightning's FSDP1 strategy (FSDPStrategy, 'fsdp') does not support manual optimization, "
+    "which BridgeModule uses (Lightning issues #19626 and #19685); use 'strategy: fsdp2' (FSDP2 through "
+    "ModelParallelStrategy, data-parallel) or 'ddp'"
+)
+_ROOT_CALL = "bridge_call"  # the root's registered forward method: runs a function under its FSDP hooks
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``strategy: fsdp2``: ``ModelParallelStrategy`` as pure data parallelism (every process one FSDP2 shard,
+    tensor-parallel size 1), whatever the number of devices and nodes."""
+
+    strategy_name = "fsdp2"
+
+    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: str | None = None) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_processes * self.num_nodes
+        super().setup_environment()
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint that holds only what trains (``BridgeModule`` leaves the frozen base weights
+        out), with the optimizer states; returns the rest (the metadata file). Other checkpoints: as Lightning."""
+        from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _is_sharded_checkpoint
+        from torch.distributed import checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        state = {k: v for k, v in get_model_state_dict(self.model).items() if f"state_dict.{k}" in saved}
+        dcp.load({"state_dict": state}, checkpoint_id=path)
+        self.model.load_state_dict(state, strict=False)
+        for idx, optimizer in enumerate(self.optimizers):
+            optimizer_state = {f"optimizer_{idx}": get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optimizer_state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state[f"optimizer_{idx}"],
+                                     options=StateDictOptions(cpu_offload=True))
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+StrategyRegistry.register(FSDP2Strategy.strategy_name, FSDP2Strategy,
+                          description="FSDP2 (fully_shard) data parallelism through ModelParallelStrategy")
+
+
+def is_fsdp1(strategy: Any) -> bool:
+    """Whether ``strategy`` (an instance, or a config value such as ``"fsdp"``) is Lightning's FSDP1 strategy."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(strategy, str):
+        return strategy.startswith("fsdp") and strategy != FSDP2Strategy.strategy_name
+    class_path = strategy.get("class_path") if isinstance(strategy, dict) else getattr(strategy, "class_path", None)
+    return isinstance(strategy, FSDPStrategy) or str(class_path or "").endswith(".FSDPStrategy")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (the first ``ModuleList`` of ``*DecoderLayer``s)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__.endswith("DecoderLayer"):
+            return list(module)
+    raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
+
+
+def shard_root(root: nn.Module, mesh, blocks: Sequence[nn.Module] = ()) -> None:
+    """``fully_shard`` each of ``blocks``, then ``root``, and register ``root.bridge_call(fn, *args)``, which runs
+    ``fn`` under the root's FSDP forward hooks (its parameters gathered), for code that calls submodules."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(root, mesh=mesh, reshard_after_forward=False)
+    setattr(root, _ROOT_CALL, types.MethodType(lambda self, fn, *args, **kwargs: fn(*args, **kwargs), root))
+    register_fsdp_forward_method(root, _ROOT_CALL)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 root sharded by :func:`shard_root`."""
+    return hasattr(module, _ROOT_CALL)
+
+
+def call_under_root(root: nn.Module, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, under the FSDP2 forward hooks of ``root`` when it is sharded."""
+    if is_sharded(root):
+        return getattr(root, _ROOT_CALL)(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def max_across_ranks(value: int) -> int:
+    """The largest ``value`` over all ranks (collective; every rank must call it). One process: ``value``."""
+    if not _distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def any_across_ranks(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (collective). One process: ``flag``."""
+    return bool(max_across_ranks(int(flag)))
+
+
+def average_replicated_grads(params: Sequence[torch.Tensor]) -> None:
+    """Average the plain-tensor gradients of ``params`` over all ranks (sharded DTensor gradients were already
+    reduced by FSDP). A no-op in one process."""
+    if not _distributed():
+        return
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def gather_per_rank(state: Any) -> list[Any]:
+    """``[state of rank 0, state of rank 1, ...]`` (an all-gather; every rank must call it). One process: ``[state]``.
+
+    For what each rank holds differently (RNG states, sampling generators) in a checkpoint that rank 0 writes.
+    """
+    if not _distributed():
+        return [state]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
+
+
+def this_ranks(states: Any) -> Any:
+    """This rank's entry of a :func:`gather_per_rank` list (a checkpoint from before per-rank states: as is)."""
+    if not isinstance(states, list):
+        return states
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank >= len(states):
+        raise ValueError(f"the checkpoint holds per-rank state for {len(states)} processes; this is rank {rank}: "
+                         "resume with the world size it was saved with")
+    return states[rank]

@@ -1,0 +1,167 @@
+"""``strategy: fsdp2`` (FSDP2 through ModelParallelStrategy) and ``ddp`` on 2 CPU processes (gloo), against one process
+on the same global batch; resume from a sharded checkpoint.
+
+The 2-process fits run in one subprocess (Lightning re-launches it as rank 1). Each rank saves its first rollout
+batch; in this process the two batches are joined (``RolloutBatch.concat``) and one process takes the same
+iteration on the joined batch. The update is then the same update: the losses aggregate as a mean over sequences
+(``seq-mean-token-mean``) and every trajectory makes two searches, all LM-credited, so each rank's mean is half of
+the global mean, and data-parallel gradients are averaged over ranks.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import fit_tiny, tiny_cli
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from bridge_pl.rollout.batch import RolloutBatch
+
+MODES = ["frozen", "policy_first", "retriever_first", "bridge", "implicit"]
+DDP_MODES = ["frozen", "bridge"]
+COMMON = ("--data.reward=plugins.DistinctWordsReward", "--model.rl.loss_agg=seq-mean-token-mean",
+          "--model.retrieval.credit_queries=64", "--trainer.limit_val_batches=0")
+RTOL, ATOL = 1e-4, 1e-6  # float32 on both sides; the sharded run sums in another order
+
+
+def _trained(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's trained tensors, gathered in full (every rank must call it under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    names = {n for n, p in module.named_parameters() if p.requires_grad}
+    if dist.is_available() and dist.is_initialized():
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = module.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in state.items() if k in names}
+
+
+class RecordSteps(L.Callback):
+    """Each rank saves its first batch and its logged losses per iteration; rank 0 saves the trained tensors at the
+    end of the fit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.logs: list[dict[str, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 0:
+            torch.save(batch, self.out / f"batch{trainer.global_rank}.pt")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.logs.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                          if k.startswith(("loss/", "grad_norm/", "policy/skipped"))})
+
+    def on_train_end(self, trainer, pl_module):
+        (self.out / f"logs{trainer.global_rank}.json").write_text(json.dumps(self.logs))
+        weights = _trained(pl_module)
+        if trainer.global_rank == 0:
+            torch.save(weights, self.out / "weights.pt")
+
+
+def _run_2proc(out: Path, *args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, __file__, str(out), *args], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """``{(strategy, mode): folder}`` of 2-process fits of one iteration."""
+    out = tmp_path_factory.mktemp("two_process")
+    _run_2proc(out, "first-step")
+    return out
+
+
+def _one_process_step(tmp_path: Path, mode: str, folder: Path) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """One process, same config and seed, one iteration on the two ranks' first batches joined."""
+    cli = tiny_cli(tmp_path, *COMMON, f"--model.mode={mode}")
+    module = cli.model
+    module.setup("fit")
+    batch = RolloutBatch.concat([torch.load(folder / f"batch{r}.pt", weights_only=False) for r in range(2)],
+                                pad_token_id=module.policy.tokenizer.pad_token_id)
+    optimizers, _ = module.configure_optimizers()
+    logs = module.solver.step(module.problem(batch), module.updates_from(optimizers, backward=torch.Tensor.backward))
+    return logs, _trained(module)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
+@pytest.mark.parametrize("strategy, mode", [("fsdp2", m) for m in MODES] + [("ddp", m) for m in DDP_MODES])
+def test_two_processes_make_the_one_process_update_on_the_same_global_batch(two_process_runs, tmp_path, strategy,
+                                                                            mode):
+    """``implicit``: its θ correction is a product of per-batch Hessian terms, so data parallelism averages the ranks'
+    own hypergradient estimates, which is not the joined batch's; only its φ step (on G, a mean) is the same."""
+    folder = two_process_runs / strategy / mode
+    logs, weights = _one_process_step(tmp_path, mode, folder)
+    ranks = [json.loads((folder / f"logs{r}.json").read_text())[0] for r in range(2)]
+    assert ranks[0]["policy/skipped"] == 0.0, "the tiny run must make a θ step for this test to mean anything"
+    exact = mode != "implicit"
+    means = ("loss/policy", "loss/retriever_G", "loss/retriever_G_psi") if exact else ("loss/retriever_G",)
+    norms = ("grad_norm/policy", "grad_norm/phi", "grad_norm/psi") if exact else ("grad_norm/phi",)
+    for key in means:  # each rank's loss is the mean over its half of the batch
+        if key in logs:
+            assert logs[key] == pytest.approx((ranks[0][key] + ranks[1][key]) / 2, rel=RTOL, abs=ATOL), key
+    for key in norms:  # norms of the rank-averaged gradient
+        if key in logs:
+            assert ranks[0][key] == pytest.approx(logs[key], rel=RTOL, abs=ATOL), key
+            assert ranks[1][key] == pytest.approx(logs[key], rel=RTOL, abs=ATOL), key
+    sharded = torch.load(folder / "weights.pt")
+    assert sharded.keys() == weights.keys()
+    for name, value in weights.items():
+        if exact or name.startswith("retriever."):
+            torch.testing.assert_close(sharded[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    assert any("lora_B" in n and sharded[n].abs().sum() > 0 for n in sharded), "the policy step changed nothing"
+
+
+@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
+def test_fsdp2_resume_from_a_sharded_checkpoint_repeats_the_next_steps(tmp_path):
+    _run_2proc(tmp_path, "resume")
+    whole = torch.load(tmp_path / "whole" / "weights.pt")
+    resumed = torch.load(tmp_path / "resumed" / "weights.pt")
+    assert (tmp_path / "first" / "checkpoints" / "last.ckpt").is_dir(), "a sharded checkpoint is a folder"
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    for r in range(2):
+        uninterrupted = json.loads((tmp_path / "whole" / f"logs{r}.json").read_text())
+        after_resume = json.loads((tmp_path / "resumed" / f"logs{r}.json").read_text())
+        assert after_resume[0] == pytest.approx(uninterrupted[2], rel=RTOL, abs=ATOL)
+
+
+def main(out: Path, job: str) -> None:
+    """2-process fits (this script is re-launched as rank 1 by Lightning)."""
+    torch.set_num_threads(1)
+    two = ("--trainer.devices=2", "--trainer.enable_checkpointing=false")
+    if job == "first-step":
+        jobs = [("fsdp2", MODES), ("ddp_find_unused_parameters_true", DDP_MODES)]
+        if len(sys.argv) > 3:  # one strategy and mode, to look at it alone
+            jobs = [(sys.argv[3], [sys.argv[4]])]
+        for strategy, modes in jobs:
+            for mode in modes:
+                folder = out / strategy.split("_")[0] / mode
+                folder.mkdir(parents=True, exist_ok=True)
+                fit_tiny(folder, *COMMON, *two, f"--trainer.strategy={strategy}", f"--model.mode={mode}",
+                         "--trainer.max_steps=1", callbacks=(RecordSteps(folder),))
+        return
+    fsdp2 = ("--trainer.devices=2", "--trainer.strategy=fsdp2", *COMMON, "--model.mode=bridge")
+    for name in ("whole", "first", "resumed"):
+        (out / name).mkdir(parents=True, exist_ok=True)
+
+    def checkpoints() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=out / "first" / "checkpoints", every_n_train_steps=1, save_last=True)
+
+    fit_tiny(out / "whole", *fsdp2, "--trainer.max_steps=3", callbacks=(RecordSteps(out / "whole"),))
+    fit_tiny(out / "first", *fsdp2, "--trainer.max_steps=2", callbacks=(RecordSteps(out / "first"), checkpoints()))
+    fit_tiny(out / "first", *fsdp2, "--trainer.max_steps=3", ckpt_path="last",
+             callbacks=(RecordSteps(out / "resumed"), checkpoints()))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

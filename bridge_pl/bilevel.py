@@ -8,6 +8,7 @@ problem of docs/method.md section 8 in the tests. The module never branches on t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from abc import ABC, abstractmethod
@@ -19,7 +20,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bridge_pl.config import SolverConfig
-from bridge_pl.distributed import any_across_ranks, max_across_ranks
+from bridge_pl.distributed import ShardedGradients, any_across_ranks
 
 
 class BilevelProblem(Protocol):
@@ -72,8 +73,8 @@ class ParamUpdate:
         name: what this update trains (``policy``, ``phi``, ``psi``), for the non-finite report.
         sync_grads: called with the parameters after the backward, before clipping (e.g. averaging the gradients
             of parameters replicated across data-parallel ranks).
-        pad_pass: a zero loss through every sharded unit; when given, a rank whose loss had fewer parts than
-            another's backpropagates it until all ranks have run the same number of backward passes (FSDP2).
+        sharded: FSDP2-sharded parameters: the loss parts accumulate gradients locally, then one reduction
+            pass runs on every rank (ranks may have different numbers of parts).
 
     A non-finite loss or gradient norm skips the step: the gradients are dropped, the weights and the
     optimizer state stay as they were, ``on_step`` is not called, and ``nonfinite`` records what went bad.
@@ -85,7 +86,7 @@ class ParamUpdate:
     on_step: Callable[[], None] | None = None
     name: str = ""
     sync_grads: Callable[[list[torch.Tensor]], None] | None = None
-    pad_pass: Callable[[], torch.Tensor] | None = None
+    sharded: ShardedGradients | None = None
     nonfinite: list[str] = field(default_factory=list)  # e.g. ["loss", "grad"] of skipped steps
 
     @property
@@ -104,15 +105,13 @@ class ParamUpdate:
         """
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        passes = 0
-        for part in parts:
-            if part.requires_grad:  # a term with no data (e.g. no searches this batch) has no graph
-                self.backward(part)
-                passes += 1
-            total += float(part.detach())
-        if self.pad_pass is not None:
-            for _ in range(max_across_ranks(passes) - passes):
-                self.backward(self.pad_pass())
+        with self.sharded.accumulating() if self.sharded is not None else contextlib.nullcontext():
+            for part in parts:
+                if part.requires_grad:  # a term with no data (e.g. no searches this batch) has no graph
+                    self.backward(part)
+                total += float(part.detach())
+        if self.sharded is not None:
+            self.sharded.reduce(self.backward)
         if any_across_ranks(not math.isfinite(total)):
             self._skip("loss")
             return total, float("nan")

@@ -10,11 +10,13 @@ ranks before each step (:func:`average_replicated_grads`), which is what DDP wou
 Ranks do different amounts of work in an iteration: their rollouts have different lengths, their batches
 different numbers of micro-batches and LM-credit searches. Collectives must still line up, so:
 
-- units are sharded with ``reshard_after_forward=False``: a unit's parameters are gathered at its first forward
-  after a backward and stay gathered until the next backward (gradients and optimizer state stay sharded, as in
-  ZeRO-2), so forwards that only some ranks run (generation steps, scoring passes) need no collective;
-- every rank runs the same number of backward passes per update: ``ParamUpdate`` pads a rank's parts with
-  zero-weighted passes (:func:`max_across_ranks`);
+- a unit's parameters are gathered at its first forward of an iteration (the rollout's prefill, which every rank
+  runs) and stay gathered until ``BridgeModule`` reshards them at the end of the training step
+  (``reshard_after_forward`` and ``reshard_after_backward`` off; the optimizer state stays sharded), so forwards that
+  only some ranks run (generation steps, scoring passes, micro-batches) need no collective;
+- a policy update accumulates each rank's own number of loss parts locally, then every rank runs one zero-loss
+  backward pass with gradient reduction on (:class:`ShardedGradients`): one reduce-scatter per unit per update,
+  whatever the parts;
 - decisions that change the work (skip the θ step, skip a non-finite update) are taken over all ranks
   (:func:`any_across_ranks`).
 """
@@ -22,7 +24,8 @@ different numbers of micro-batches and LM-credit searches. Collectives must stil
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +114,45 @@ def shard_root(root: nn.Module, mesh, blocks: Sequence[nn.Module] = ()) -> None:
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(root, mesh=mesh, reshard_after_forward=False)
+    root.set_reshard_after_backward(False, recurse=True)
     setattr(root, _ROOT_CALL, types.MethodType(lambda self, fn, *args, **kwargs: fn(*args, **kwargs), root))
     register_fsdp_forward_method(root, _ROOT_CALL)
+
+
+def reshard(root: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit under ``root`` (local; no collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+class ShardedGradients:
+    """Gradient reduction for an update of FSDP2-sharded parameters whose loss has a rank-dependent number of parts.
+
+    Args:
+        roots: the sharded roots whose gradients the update reduces (the policy, a value head).
+        zero_pass: a loss of value 0 whose backward reaches every unit of ``roots``.
+    """
+
+    def __init__(self, roots: Sequence[nn.Module], zero_pass: Callable[[], torch.Tensor]) -> None:
+        self.roots, self.zero_pass = list(roots), zero_pass
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside accumulate unreduced gradients locally (no collective)."""
+        for root in self.roots:
+            root.set_requires_gradient_sync(False, recurse=True)
+        try:
+            yield
+        finally:
+            for root in self.roots:
+                root.set_requires_gradient_sync(True, recurse=True)
+
+    def reduce(self, backward: Callable[[torch.Tensor], None]) -> None:
+        """Reduce-scatter what was accumulated, on every rank: one backward of the zero pass with reduction on."""
+        backward(self.zero_pass())
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -25,10 +25,12 @@ from bridge_pl.bilevel import ParamUpdate, Updates, make_solver
 from bridge_pl.config import RetrievalSampling, RLConfig, SolverConfig
 from bridge_pl.distributed import (
     FSDP1_REFUSAL,
+    ShardedGradients,
     average_replicated_grads,
     gather_per_rank,
     is_fsdp1,
     is_sharded,
+    reshard,
     shard_root,
     this_ranks,
 )
@@ -184,15 +186,19 @@ class BridgeModule(L.LightningModule):
         sync = average_replicated_grads if sharded else None
         return Updates(
             policy=ParamUpdate(policy_opt, backward, solver.grad_clip_policy, name="policy",
-                               pad_pass=self._pad_pass if sharded else None),
+                               sharded=ShardedGradients(self._sharded_roots(), self._zero_pass) if sharded else None),
             phi=ParamUpdate(named["phi"], backward, clip, self.retriever.bump_version, name="phi", sync_grads=sync)
             if "phi" in named else None,
             psi=ParamUpdate(named["psi"], backward, clip, name="psi", sync_grads=sync) if "psi" in named else None,
         )
 
-    def _pad_pass(self) -> torch.Tensor:
-        """A zero loss through every sharded unit (the policy on two tokens, and the value head): what a rank with
-        fewer policy micro-batches than another backpropagates so that all ranks run the same passes."""
+    def _sharded_roots(self) -> list[nn.Module]:
+        """The FSDP2 roots of ``configure_model``: the policy, and the value head under PPO."""
+        return [self.policy.model] + ([self.value_head] if self.value_head is not None else [])
+
+    def _zero_pass(self) -> torch.Tensor:
+        """A zero loss through every sharded unit (the policy on two tokens, and the value head): its backward
+        reduces the policy gradients accumulated over a rank's own micro-batches (``ShardedGradients``)."""
         ids = torch.full((1, 2), self.policy.tokenizer.eos_token_id or 0, dtype=torch.long, device=self.device)
         logp, _, hidden = self.policy(ids, torch.ones_like(ids))
         loss = logp.sum() * 0.0
@@ -266,6 +272,9 @@ class BridgeModule(L.LightningModule):
         logs["nonfinite/skipped"] = self._guard_nonfinite(updates.nonfinite())
         self.policy_version += 1
         self._count_iteration()
+        if is_sharded(self.policy.model):  # free the gathered weights until the next rollout gathers them again
+            for root in self._sharded_roots():
+                reshard(root)
         for scheduler in self._schedulers():
             scheduler.step()
         logs.update(problem.stats)

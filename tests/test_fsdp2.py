@@ -26,7 +26,8 @@ from bridge_pl.rollout.batch import RolloutBatch
 MODES = ["frozen", "policy_first", "retriever_first", "bridge", "implicit"]
 DDP_MODES = ["frozen", "bridge"]
 COMMON = ("--data.reward=plugins.DistinctWordsReward", "--model.rl.loss_agg=seq-mean-token-mean",
-          "--model.retrieval.credit_queries=64", "--trainer.limit_val_batches=0")
+          "--model.retrieval.credit_queries=64", "--trainer.limit_val_batches=0",
+          "--model.rl.micro_batch_tokens=256")  # several micro-batches per rank (unequal counts: the test below)
 RTOL, ATOL = 1e-4, 1e-6  # float32 on both sides; the sharded run sums in another order
 
 
@@ -133,6 +134,58 @@ def test_fsdp2_resume_from_a_sharded_checkpoint_repeats_the_next_steps(tmp_path)
         uninterrupted = json.loads((tmp_path / "whole" / f"logs{r}.json").read_text())
         after_resume = json.loads((tmp_path / "resumed" / f"logs{r}.json").read_text())
         assert after_resume[0] == pytest.approx(uninterrupted[2], rel=RTOL, abs=ATOL)
+
+
+def _pad_worker(rank: int, port: int, out: str) -> None:
+    """Rank 0's loss has two parts, rank 1's one; one update step with ShardedGradients."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bridge_pl.bilevel import ParamUpdate
+    from bridge_pl.distributed import ShardedGradients, any_across_ranks, call_under_root, shard_root
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    shard_root(model, init_device_mesh("cpu", (2,)), blocks=[model[0]])
+    inputs = torch.arange(12.0).view(3, 4) / 10
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return call_under_root(model, lambda: model[1](model[0](x)).sum() ** 2)
+
+    zero = ShardedGradients([model], lambda: call_under_root(model, lambda: model[1](model[0](inputs[0])).sum() * 0))
+    update = ParamUpdate(torch.optim.SGD(model.parameters(), lr=0.1), sharded=zero)
+    parts = [loss(inputs[0]), loss(inputs[1])] if rank == 0 else [loss(inputs[2])]
+    update.step_parts(iter(parts))
+    assert any_across_ranks(rank == 1) and not any_across_ranks(False)
+    weights = _trained(model)
+    if rank == 0:
+        torch.save(weights, out)
+    dist.destroy_process_group()
+
+
+def test_a_rank_with_fewer_loss_parts_gets_the_ranks_average_update(tmp_path):
+    """Gradients accumulate locally over each rank's own parts and are reduced once (a reduction per part would
+    leave rank 0 waiting for a second one that rank 1 never joins)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_pad_worker, args=(port, str(tmp_path / "w.pt")), nprocs=2, join=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    inputs = torch.arange(12.0).view(3, 4) / 10
+    total = (sum(model(x).sum() ** 2 for x in inputs[:2]) + model(inputs[2]).sum() ** 2) / 2  # mean over ranks
+    total.backward()
+    with torch.no_grad():
+        expected = {name: p - 0.1 * p.grad for name, p in model.named_parameters()}
+    got = torch.load(tmp_path / "w.pt")
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def main(out: Path, job: str) -> None:

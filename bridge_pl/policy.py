@@ -2,8 +2,8 @@
 
 The reference policy for the KL penalty is the policy RL starts from: the base weights with the LoRA adapter
 disabled, or a snapshot of a warm-started adapter, so no second model copy is held. Full fine-tuning is
-available (then a frozen reference copy is kept only when a KL penalty is used). 4-bit QLoRA (bitsandbytes) is
-available on CUDA.
+available (then a frozen reference copy is kept only when a KL penalty is used). 4-bit QLoRA (bitsandbytes >= 0.45)
+runs on CUDA and, slowly, on CPU.
 
 Cost discipline (docs/method.md, "What one iteration computes"): the LM head runs only on the positions whose
 log-prob is asked for, entropy is a no-grad diagnostic, and candidates that share a context are scored in one
@@ -85,7 +85,8 @@ class Policy(nn.Module):
         lora: train LoRA adapters (default) instead of all weights.
         lora_r, lora_alpha, lora_dropout, target_modules: peft LoRA settings
             (``target_modules="all-linear"`` or a list of module names).
-        load_in_4bit: QLoRA: load the base weights in 4-bit NF4 (bitsandbytes, CUDA only).
+        load_in_4bit: QLoRA: load the base weights in 4-bit NF4 (bitsandbytes >= 0.45; on the current CUDA device,
+            else on CPU).
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` for the base weights; ``auto`` (default) is
             bfloat16 where the hardware has native bf16 (CUDA, CPUs with AVX512-BF16/AMX), else float32. LoRA
             weights stay float32 and log-probs are computed in float32.
@@ -158,17 +159,19 @@ class Policy(nn.Module):
 
     @staticmethod
     def _quantization_kwargs(compute_dtype: torch.dtype) -> dict:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "policy.load_in_4bit=True needs a CUDA GPU and bitsandbytes (pip install bridge-pl[gpu])"
-            )
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as error:
+            raise RuntimeError("policy.load_in_4bit=True needs bitsandbytes >= 0.45 (pip install bitsandbytes; "
+                               "it is in bridge-pl's gpu and dev extras)") from error
         from transformers import BitsAndBytesConfig
 
         quant = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
             bnb_4bit_use_double_quant=True,
         )
-        return {"quantization_config": quant, "device_map": {"": torch.cuda.current_device()}}
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        return {"quantization_config": quant, "device_map": {"": device}}
 
     # ---- structure ------------------------------------------------------------------------------
     @property

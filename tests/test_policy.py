@@ -1,6 +1,8 @@
 """Policy: chunked masked log-probs, the adapter-off reference, peft-format adapters, PPO value head."""
 
+import pytest
 import torch
+from helpers import fit_tiny
 from peft import PeftModel
 
 from bridge_pl.models import load_causal_lm
@@ -187,3 +189,19 @@ def test_reference_is_current_only_while_it_computes_what_the_policy_does():
     with torch.no_grad():
         lora_b.add_(0.01)  # an RL step
     assert not policy.reference_is_current()
+
+
+def test_qlora_trains_a_lora_policy_end_to_end_on_cpu(tmp_path):
+    """4-bit NF4 base weights (bitsandbytes on CPU) under trained LoRA adapters: a whole bridge fit."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes >= 0.45 (in the dev extra) runs NF4 on CPU")
+    from bitsandbytes.nn import Linear4bit
+
+    cli = fit_tiny(tmp_path, "--model.policy.init_args.load_in_4bit=true", "--trainer.limit_val_batches=0",
+                   "--data.reward=plugins.DistinctWordsReward")
+    policy = cli.model.policy
+    quantized = [m for m in policy.hf_model.modules() if isinstance(m, Linear4bit)]
+    assert quantized and all(m.weight.dtype == torch.uint8 for m in quantized)  # packed 4-bit storage
+    assert cli.trainer.global_step == 2
+    trained = policy.trained_state_dict()
+    assert trained and all(torch.isfinite(v).all() for v in trained.values())
+    assert any("lora_B" in name and value.abs().sum() > 0 for name, value in trained.items())  # θ stepped

@@ -3,7 +3,10 @@
 Every function takes a loss closure ``loss_fn() -> scalar tensor`` and the list of parameters it
 probes, moves the parameters in place, and leaves them bit-identical to how it found them (they are
 saved as clones and copied back, never "un-perturbed" by subtraction, which would drift in floating
-point). None of them touches ``.grad``: gradients are taken with :func:`torch.autograd.grad`.
+point). None of them changes ``.grad``: gradients are taken with :func:`torch.autograd.grad`, or, for parameters
+sharded by FSDP2 (DTensors, whose gradients FSDP computes outside autograd's view), by a backward pass whose
+``.grad`` is read and then put back as it was. Random draws are made at full size on every rank and sharded like
+the parameter, so a sharded probe moves the weights exactly as a single-process probe does.
 
 - :func:`filter_normalized_direction`: Li et al. (2018) random directions, one row per output unit
   rescaled to the norm of the parameter's row; 1-D parameters (biases, norm gains) get a zero direction.
@@ -25,6 +28,25 @@ import torch
 
 LossFn = Callable[[], torch.Tensor]
 Direction = list[torch.Tensor]  # one tensor per probed parameter, same shapes
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "full_tensor")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one whole tensor (a DTensor is gathered; every rank must call it)."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``full`` (the same on every rank) in ``p``'s device and dtype, and sharded like ``p`` if it is a DTensor."""
+    full = full.to(device=p.device, dtype=p.dtype)
+    if not _is_dtensor(p):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
 
 
 @contextmanager
@@ -68,12 +90,12 @@ def filter_normalized_direction(
         if p.dim() < 2:
             direction.append(torch.zeros_like(p))
             continue
-        rows = p.detach().float().reshape(p.shape[0], -1).cpu()
+        rows = _full(p.detach()).float().reshape(p.shape[0], -1).cpu()
         d = torch.randn(rows.shape, generator=generator)
         target = rows.norm(dim=1, keepdim=True)
         target = torch.where(target > 0, target, torch.full_like(target, zero_row_norm))
         d = d * target / d.norm(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-        direction.append(d.reshape(p.shape).to(device=p.device, dtype=p.dtype))
+        direction.append(_like(d.reshape(p.shape), p))
     return direction
 
 
@@ -111,14 +133,30 @@ def grid_2d(
 
 
 def gradient(loss_fn: LossFn, params: Sequence[torch.Tensor]) -> Direction:
-    """∇L at the current parameters (zeros for parameters the loss does not use); ``.grad`` untouched."""
+    """∇L at the current parameters (zeros for parameters the loss does not use); ``.grad`` as it was."""
+    if any(_is_dtensor(p) for p in params):
+        return _gradient_by_backward(loss_fn, params)
     with torch.enable_grad():
         grads = torch.autograd.grad(loss_fn(), list(params), allow_unused=True)
     return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]
 
 
+def _gradient_by_backward(loss_fn: LossFn, params: Sequence[torch.Tensor]) -> Direction:
+    """FSDP2-sharded parameters: one backward pass (FSDP reduces the gradients over ranks), ``.grad`` restored."""
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with torch.enable_grad():
+            loss_fn().backward()
+        return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
 def _dot(a: Direction, b: Direction) -> float:
-    return float(sum((x.double() * y.double()).sum() for x, y in zip(a, b, strict=True)))
+    return float(sum(_full((x.double() * y.double()).sum()) for x, y in zip(a, b, strict=True)))
 
 
 def finite_difference_hvp(
@@ -150,7 +188,7 @@ def top_hessian_eigenvalue(
     """
     if iters < 1 or eps <= 0:
         raise ValueError(f"top_hessian_eigenvalue needs iters >= 1 and eps > 0, got {iters}, {eps}")
-    v = [torch.randn(p.shape, generator=generator).to(device=p.device, dtype=p.dtype) for p in params]
+    v = [_like(torch.randn(p.shape, generator=generator), p) for p in params]
     norm = math.sqrt(_dot(v, v))
     v = [x / norm for x in v]
     history: list[float] = []
@@ -176,11 +214,9 @@ def descent_trace(
     losses, grad_sq = [], []
     with restored(params):
         for t in range(steps + 1):
-            with torch.enable_grad():
-                loss = loss_fn()
-                grads = torch.autograd.grad(loss, list(params), allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-            losses.append(float(loss.detach()))
+            with torch.no_grad():
+                losses.append(float(loss_fn()))
+            grads = gradient(loss_fn, params)
             grad_sq.append(_dot(grads, grads))
             if t < steps:
                 with torch.no_grad():

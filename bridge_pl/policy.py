@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bridge_pl.distributed import call_under_root, decoder_layers, is_sharded, shard_root
+from bridge_pl.distributed import call_under_root, decoder_layers, is_sharded, reshard, shard_root
 from bridge_pl.models import load_causal_lm, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -212,6 +212,8 @@ class Policy(nn.Module):
         are all zero (adapter off == adapter on). Full fine-tuning: False (not checked)."""
         if not self.lora:
             return False
+        if is_sharded(self.model):  # FSDP2: name the shards, not the full copies a gathered unit exposes
+            reshard(self.model)
         params = dict(self.model.named_parameters())
         if self.reference_adapter is not None:
             return all(torch.equal(params[k], v.to(params[k].device)) for k, v in self.reference_adapter.items())
@@ -225,6 +227,9 @@ class Policy(nn.Module):
             with self.model.disable_adapter():
                 yield self.model
         elif self.lora:
+            sharded = is_sharded(self.model)
+            if sharded:  # FSDP2: swap the shards; the next forward gathers the swapped weights
+                reshard(self.model)
             params = dict(self.model.named_parameters())
             current = {k: params[k].detach().clone() for k in self.reference_adapter}
             try:
@@ -233,6 +238,8 @@ class Policy(nn.Module):
                         params[k].copy_(v)
                 yield self.model
             finally:
+                if sharded:
+                    reshard(self.model)
                 with torch.no_grad():
                     for k, v in current.items():
                         params[k].copy_(v)

@@ -38,12 +38,11 @@ Outputs (rank 0): scalars ``landscape/<target>/{loss,sharpness,slice_rise,grid_r
 Multi-process: every rank computes the probe over the same data (rank 0's probe batch and queries are
 broadcast when the probe is created) and the same parameters, so all ranks get the same numbers as one
 process would; only rank 0 writes. Computing on every rank rather than rank 0 alone is what sharded
-parameters need (every rank takes part in each forward). DDP: parameters are full on every rank (tested
-over gloo). FSDP (``FSDPStrategy``): the probe runs inside ``FullyShardedDataParallel.summon_full_params``
-(no writeback) on every rank so the probed tensors are the full parameters. That path cannot be run
-without GPUs and is untested; in particular, whether FSDP accepts the probe's forward and backward passes
-inside that context is unverified. FSDP2 (``ModelParallelStrategy``) is not supported yet: the callback
-warns and does nothing.
+parameters need (every rank takes part in each forward). DDP: parameters are full on every rank. FSDP2
+(``strategy: fsdp2``): the probe moves each rank's shards of θ by the same full-size direction sharded like the
+parameter, evaluates with the gathered weights dropped first (so the moved shards are used), takes gradients by a
+backward pass, and restores the shards bit-exactly (``bridge_pl.landscape``). Both are tested over gloo against one
+process. Tensor parallelism is not supported: the callback warns and does nothing.
 
 The probe data lives in the callback only (not in checkpoints): a resumed run builds a new probe at its
 first probe step.
@@ -54,7 +53,6 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, get_args
@@ -68,6 +66,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from bridge_pl import landscape
 from bridge_pl.config import require_choice
+from bridge_pl.distributed import is_sharded, reshard
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.problem import lower_level_loss
 from bridge_pl.rewards import normalize_answer
@@ -166,8 +165,9 @@ class LossLandscape(pl.Callback):
             self.run(trainer, pl_module)
 
     def _supported(self, trainer: pl.Trainer) -> bool:
-        if type(trainer.strategy).__name__ == "ModelParallelStrategy":
-            rank_zero_warn("LossLandscape does not support ModelParallelStrategy (FSDP2) yet; no probes run.")
+        mesh = getattr(trainer.strategy, "_device_mesh", None)
+        if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            rank_zero_warn("LossLandscape does not support tensor parallelism; no probes run.")
             return False
         return True
 
@@ -222,7 +222,10 @@ class LossLandscape(pl.Callback):
         assert self.probe is not None
         step = trainer.global_step
         results: dict[str, dict[str, np.ndarray]] = {}
-        with _full_parameters(trainer), eval_mode(pl_module):
+        sharded = is_sharded(pl_module.policy.model)
+        if sharded:  # FSDP2: the parameters are then the sharded DTensors (gathered units expose full copies)
+            reshard(pl_module.policy.model)
+        with eval_mode(pl_module):
             for target in self.targets:
                 spec = self._target(pl_module, target)
                 if spec is not None:  # a seed per target name: draws do not depend on which targets are on
@@ -236,6 +239,8 @@ class LossLandscape(pl.Callback):
                     pl_losses=np.array(losses), pl_grad_sq=np.array(grad_sq),
                     pl_mu=np.array(landscape.pl_estimate(losses, grad_sq)),
                 )
+        if sharded:  # the gathered copies hold the last probed point, not θ
+            reshard(pl_module.policy.model)
         self.probed_steps.append(step)
         self.last = _scalars(results)
         # every rank asks: trainer.log_dir is a collective (a broadcast from rank 0)
@@ -252,8 +257,15 @@ class LossLandscape(pl.Callback):
             rollout = move_data_to_device(self.probe.rollout, pl_module.device)
             problem = pl_module.problem(rollout, keep_credit_graph=False,
                                         old_logprobs=self.probe.old_logprobs.to(pl_module.device),
-                                ref_logprobs=move_data_to_device(self.probe.ref_logprobs, pl_module.device))
-            return problem.policy_loss, pl_module.policy.trainable_parameters()
+                                        ref_logprobs=move_data_to_device(self.probe.ref_logprobs, pl_module.device))
+            if not is_sharded(pl_module.policy.model):
+                return problem.policy_loss, pl_module.policy.trainable_parameters()
+
+            def policy_loss() -> torch.Tensor:  # FSDP2: drop gathered weights so the probe's moved shards are used
+                reshard(pl_module.policy.model)
+                return problem.policy_loss()
+
+            return policy_loss, pl_module.policy.trainable_parameters()
         encoder = pl_module.retriever.query_encoder
         params = [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
         if not params:
@@ -360,11 +372,3 @@ def _render(target: str, a: dict[str, np.ndarray], step: int) -> np.ndarray:
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
-
-def _full_parameters(trainer: pl.Trainer):
-    """FSDP: gather full parameters on every rank for the probe (untested: needs GPUs); else nothing to do."""
-    if type(trainer.strategy).__name__ != "FSDPStrategy":
-        return nullcontext()
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False)

@@ -57,3 +57,19 @@ def test_config_instantiates(configs, tmp_path):
     assert cli.datamodule.train_source == cli.config["data"]["train"]
     optimizers, _ = cli.model.configure_optimizers()  # the optimizer callables from YAML are callables
     assert all(isinstance(opt, torch.optim.Optimizer) for opt in optimizers)
+
+
+@pytest.mark.parametrize("configs", CONFIGS, ids=lambda c: str(c[-1].relative_to(ROOT)))
+def test_a_named_strategy_is_one_this_module_supports(configs):
+    """FSDP1 ('fsdp') cannot run manual optimization; the recipes name ddp, fsdp2 or nothing."""
+    import yaml
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from bridge_pl.distributed import is_fsdp1
+
+    strategy = None
+    for config in configs:
+        strategy = (yaml.safe_load(config.read_text()).get("trainer") or {}).get("strategy", strategy)
+    if strategy is not None:
+        assert not is_fsdp1(strategy)
+        assert strategy == "auto" or strategy in StrategyRegistry, strategy

@@ -57,7 +57,7 @@ class RecordSteps(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.logs.append({k: float(v) for k, v in trainer.callback_metrics.items()
-                          if k.startswith(("loss/", "grad_norm/", "policy/skipped"))})
+                          if k.startswith(("loss/", "grad_norm/", "policy/skipped", "policy/kl_ref"))})
 
     def on_train_end(self, trainer, pl_module):
         (self.out / f"logs{trainer.global_rank}.json").write_text(json.dumps(self.logs))
@@ -136,6 +136,25 @@ def test_fsdp2_resume_from_a_sharded_checkpoint_repeats_the_next_steps(tmp_path)
         assert after_resume[0] == pytest.approx(uninterrupted[2], rel=RTOL, abs=ATOL)
 
 
+@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
+def test_fsdp2_warm_start_rebases_the_kl_reference_and_exports_the_gathered_adapter(tmp_path):
+    """WarmStart under FSDP2: its steps, the reference snapshot swapped into the shards for the KL pass, and the
+    peft adapter gathered and written by rank 0, which a plain single-process peft load reads back."""
+    from peft import PeftModel
+
+    from bridge_pl.models import load_causal_lm
+
+    _run_2proc(tmp_path, "warm-start")
+    ranks = [json.loads((tmp_path / "warm" / f"logs{r}.json").read_text()) for r in range(2)]
+    assert all(r[i]["policy/skipped"] == 0.0 for r in ranks for i in range(2))
+    # iteration 1 scores under the warm-started snapshot, swapped into the shards (iteration 0: it is the policy)
+    assert all(r[1]["policy/kl_ref"] > 0 for r in ranks)
+    adapter = PeftModel.from_pretrained(load_causal_lm("tiny-llama", dtype=torch.float32),
+                                        str(tmp_path / "warm" / "adapter"))
+    lora_b = [p for n, p in adapter.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # the warm start's steps are in the export
+
+
 def _pad_worker(rank: int, port: int, out: str) -> None:
     """Rank 0's loss has two parts, rank 1's one; one update step with ShardedGradients."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -204,6 +223,14 @@ def main(out: Path, job: str) -> None:
                          "--trainer.max_steps=1", callbacks=(RecordSteps(folder),))
         return
     fsdp2 = ("--trainer.devices=2", "--trainer.strategy=fsdp2", *COMMON, "--model.mode=bridge")
+    if job == "warm-start":
+        from callbacks.warm_start import WarmStart
+
+        (out / "warm").mkdir(parents=True, exist_ok=True)
+        warm = WarmStart(steps=2, batch_size=2, evaluate=False, save_to=str(out / "warm" / "adapter"))
+        fit_tiny(out / "warm", *fsdp2, "--trainer.max_steps=2", "--model.rl.kl_coef=0.05",
+                 callbacks=(warm, RecordSteps(out / "warm")))
+        return
     for name in ("whole", "first", "resumed"):
         (out / name).mkdir(parents=True, exist_ok=True)
 

@@ -225,37 +225,48 @@ def test_probes_on_the_real_module(tmp_path):
 
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
-def test_ddp_ranks_agree_with_one_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp_find_unused_parameters_true", "fsdp2"])
+def test_two_processes_agree_with_one_process(tmp_path, strategy):
+    """DDP (full weights on each rank) and FSDP2 (each rank moves its shards) probe the same curves as one process,
+    and leave every rank's weights bit-identical."""
     one = CheckedLandscape(**PROBE)
     _fit(tmp_path / "one", one, "--trainer.max_steps=1")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, __file__, str(tmp_path / "ddp")], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, __file__, str(tmp_path / "two"), strategy], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0] == ranks[1]
+    ranks = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["restored"] and ranks[1]["restored"]
+    assert ranks[0]["0"] == ranks[1]["0"]
     assert ranks[0]["0"] == pytest.approx(one.results[0], rel=1e-5, abs=1e-7)
 
 
-def ddp_main(out: Path) -> None:
-    """2-process CPU DDP fit of the tiny config; each rank records its step-0 probe scalars."""
+def two_process_main(out: Path, strategy: str) -> None:
+    """2-process CPU fit of the tiny config under ``strategy``; each rank records its step-0 probe scalars and
+    whether its weights (its shards, under FSDP2) came back bit-identical."""
+    from bridge_pl.distributed import reshard
+
     torch.set_num_threads(1)
     callback = LossLandscape(**PROBE)
-    steps = {}
+    steps: dict = {"restored": True}
     run = callback.run
 
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
     def recording_run(trainer, pl_module):
+        reshard(pl_module.policy.model)  # FSDP2: compare the shards (gathered units expose full copies)
+        before = [local(p.detach()).clone() for p in pl_module.parameters()]
         results = run(trainer, pl_module)
+        steps["restored"] &= all(torch.equal(a, local(p.detach())) for a, p in zip(before, pl_module.parameters()))
         steps[str(trainer.global_step)] = dict(callback.last)
         return results
 
     callback.run = recording_run
-    # find_unused_parameters: BridgeModule's bridge step leaves some parameters without a grad under plain ddp
-    ddp = ("--trainer.devices=2", "--trainer.strategy=ddp_find_unused_parameters_true")
-    cli = _fit(out, callback, "--trainer.max_steps=1", *ddp)
+    cli = _fit(out, callback, "--trainer.max_steps=1", "--trainer.devices=2", f"--trainer.strategy={strategy}")
     (out / f"rank{cli.trainer.global_rank}.json").write_text(json.dumps(steps))
 
 
 if __name__ == "__main__":
-    ddp_main(Path(sys.argv[1]))
+    two_process_main(Path(sys.argv[1]), sys.argv[2])

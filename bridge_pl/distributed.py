@@ -185,6 +185,27 @@ def any_across_ranks(flag: bool) -> bool:
     return bool(max_across_ranks(int(flag)))
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 shard, or a value computed from shards)."""
+    return hasattr(t, "full_tensor")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one whole tensor: a DTensor is gathered (collective: every rank must call it), else ``t``."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` (the same on every rank) in ``param``'s device and dtype, sharded like ``param`` if it is a DTensor
+    (each rank keeps its own piece; no communication)."""
+    full = full.to(device=param.device, dtype=param.dtype)
+    if not is_dtensor(param):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+
+
 def average_replicated_grads(params: Sequence[torch.Tensor]) -> None:
     """Average the plain-tensor gradients of ``params`` over all ranks (sharded DTensor gradients were already
     reduced by FSDP). A no-op in one process."""

@@ -26,27 +26,12 @@ from contextlib import contextmanager
 
 import torch
 
+from bridge_pl.distributed import full_tensor, is_dtensor, shard_like
+
 LossFn = Callable[[], torch.Tensor]
 Direction = list[torch.Tensor]  # one tensor per probed parameter, same shapes
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "full_tensor")
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as one whole tensor (a DTensor is gathered; every rank must call it)."""
-    return t.full_tensor() if _is_dtensor(t) else t
-
-
-def _like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``full`` (the same on every rank) in ``p``'s device and dtype, and sharded like ``p`` if it is a DTensor."""
-    full = full.to(device=p.device, dtype=p.dtype)
-    if not _is_dtensor(p):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
 
 
 @contextmanager
@@ -90,12 +75,12 @@ def filter_normalized_direction(
         if p.dim() < 2:
             direction.append(torch.zeros_like(p))
             continue
-        rows = _full(p.detach()).float().reshape(p.shape[0], -1).cpu()
+        rows = full_tensor(p.detach()).float().reshape(p.shape[0], -1).cpu()
         d = torch.randn(rows.shape, generator=generator)
         target = rows.norm(dim=1, keepdim=True)
         target = torch.where(target > 0, target, torch.full_like(target, zero_row_norm))
         d = d * target / d.norm(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-        direction.append(_like(d.reshape(p.shape), p))
+        direction.append(shard_like(d.reshape(p.shape), p))
     return direction
 
 
@@ -134,7 +119,7 @@ def grid_2d(
 
 def gradient(loss_fn: LossFn, params: Sequence[torch.Tensor]) -> Direction:
     """∇L at the current parameters (zeros for parameters the loss does not use); ``.grad`` as it was."""
-    if any(_is_dtensor(p) for p in params):
+    if any(is_dtensor(p) for p in params):
         return _gradient_by_backward(loss_fn, params)
     with torch.enable_grad():
         grads = torch.autograd.grad(loss_fn(), list(params), allow_unused=True)
@@ -156,7 +141,7 @@ def _gradient_by_backward(loss_fn: LossFn, params: Sequence[torch.Tensor]) -> Di
 
 
 def _dot(a: Direction, b: Direction) -> float:
-    return float(sum(_full((x.double() * y.double()).sum()) for x, y in zip(a, b, strict=True)))
+    return float(sum(full_tensor((x.double() * y.double()).sum()) for x, y in zip(a, b, strict=True)))
 
 
 def finite_difference_hvp(
@@ -188,7 +173,7 @@ def top_hessian_eigenvalue(
     """
     if iters < 1 or eps <= 0:
         raise ValueError(f"top_hessian_eigenvalue needs iters >= 1 and eps > 0, got {iters}, {eps}")
-    v = [_like(torch.randn(p.shape, generator=generator), p) for p in params]
+    v = [shard_like(torch.randn(p.shape, generator=generator), p) for p in params]
     norm = math.sqrt(_dot(v, v))
     v = [x / norm for x in v]
     history: list[float] = []

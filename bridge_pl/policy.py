@@ -21,7 +21,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bridge_pl.distributed import call_under_root, decoder_layers, is_sharded, reshard, shard_root
+from bridge_pl.distributed import (
+    call_under_root,
+    decoder_layers,
+    full_tensor,
+    is_sharded,
+    reshard,
+    shard_like,
+    shard_root,
+)
 from bridge_pl.models import load_causal_lm, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -200,8 +208,8 @@ class Policy(nn.Module):
         LoRA: the adapter weights are copied and swapped in while scoring under the reference (the copy is
         adapter-sized and travels in checkpoints); full fine-tuning: the frozen copy takes the current weights.
         """
-        if self.lora:
-            self.reference_adapter = {k: v.detach().clone() for k, v in self.trained_state_dict().items()}
+        if self.lora:  # whole tensors (FSDP2: gathered from the shards), so comparing and saving need no mesh
+            self.reference_adapter = {k: full_tensor(v.detach()).clone() for k, v in self.trained_state_dict().items()}
         elif self.reference is not None:
             self.reference.load_state_dict(self.model.state_dict())
 
@@ -212,12 +220,12 @@ class Policy(nn.Module):
         are all zero (adapter off == adapter on). Full fine-tuning: False (not checked)."""
         if not self.lora:
             return False
-        if is_sharded(self.model):  # FSDP2: name the shards, not the full copies a gathered unit exposes
-            reshard(self.model)
+        # FSDP2: a gathered unit names its full copies, a resharded one its shards: compare whole tensors
         params = dict(self.model.named_parameters())
         if self.reference_adapter is not None:
-            return all(torch.equal(params[k], v.to(params[k].device)) for k, v in self.reference_adapter.items())
-        return all(not bool(p.any()) for name, p in params.items() if "lora_B" in name)
+            return all(torch.equal(full_tensor(params[k].detach()), v.to(params[k].device))
+                       for k, v in self.reference_adapter.items())
+        return all(not bool(full_tensor(p.detach()).any()) for name, p in params.items() if "lora_B" in name)
 
     @contextlib.contextmanager
     def reference_mode(self) -> Iterator[nn.Module]:
@@ -235,7 +243,7 @@ class Policy(nn.Module):
             try:
                 with torch.no_grad():
                     for k, v in self.reference_adapter.items():
-                        params[k].copy_(v)
+                        params[k].copy_(shard_like(v, params[k]))
                 yield self.model
             finally:
                 if sharded:
@@ -406,17 +414,10 @@ class Policy(nn.Module):
     # ---- sharding and persistence -------------------------------------------------------------------
     def shard(self, mesh) -> None:
         """FSDP2: shard each decoder block, then the root (embeddings, final norm, LM head), of the policy and of
-        a full-fine-tuning reference copy.
-
-        FSDP2 all-gathers one unit's parameters as one buffer, so they must share a dtype: when the LoRA weights
-        (peft keeps them in float32) differ from a bfloat16 base, each LoRA matrix becomes its own unit first.
+        a full-fine-tuning reference copy. A block may mix a bfloat16 base with peft's float32 LoRA weights: the
+        installed torch's ``fully_shard`` gathers mixed dtypes (tested), so the adapters need no units of their own.
         """
-        blocks = decoder_layers(self.hf_model)
-        if self.lora and len({p.dtype for p in self.model.parameters()}) > 1:
-            adapters = [m for name, m in self.model.named_modules()
-                        if isinstance(m, nn.Linear) and (".lora_A." in name or ".lora_B." in name)]
-            blocks = adapters + blocks
-        shard_root(self.model, mesh, blocks)
+        shard_root(self.model, mesh, decoder_layers(self.hf_model))
         if self.reference is not None:
             shard_root(self.reference, mesh, decoder_layers(self.reference))
 

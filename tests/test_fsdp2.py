@@ -207,6 +207,45 @@ def test_a_rank_with_fewer_loss_parts_gets_the_ranks_average_update(tmp_path):
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _mixed_dtype_worker(rank: int, port: int, out: str) -> None:
+    """A bfloat16 base under float32 LoRA weights (peft's default), sharded, then one forward, backward and step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bridge_pl.policy import Policy
+
+    torch.manual_seed(0)
+    policy = Policy("tiny-llama", lora_r=4, dtype="bfloat16")
+    dtypes = sorted({str(p.dtype) for p in policy.model.parameters()})
+    policy.shard(init_device_mesh("cpu", (2,)))
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-2)  # over the shards, as the module builds it
+    ids = torch.randint(5, 200, (2, 9), generator=torch.Generator().manual_seed(rank))
+    logp, _, _ = policy(ids, torch.ones_like(ids))
+    (-logp.sum()).backward()
+    optimizer.step()
+    moved = any(float(v.abs().sum()) > 0 for k, v in _trained(policy).items() if "lora_B" in k)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"dtypes": dtypes, "finite": bool(torch.isfinite(logp).all()), "moved": moved}))
+    dist.destroy_process_group()
+
+
+def test_a_bfloat16_base_with_float32_lora_weights_shards_and_trains(tmp_path):
+    """Early FSDP2 needed one dtype per unit; the installed torch shards and trains a block that mixes a bfloat16
+    base with peft's float32 LoRA weights (``Policy.shard`` relies on it)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_mixed_dtype_worker, args=(port, str(tmp_path / "r.json")), nprocs=2, join=True)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result == {"dtypes": ["torch.bfloat16", "torch.float32"], "finite": True, "moved": True}
+
+
 def main(out: Path, job: str) -> None:
     """2-process fits (this script is re-launched as rank 1 by Lightning)."""
     torch.set_num_threads(1)

@@ -155,6 +155,15 @@ def test_fsdp2_warm_start_rebases_the_kl_reference_and_exports_the_gathered_adap
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # the warm start's steps are in the export
 
 
+@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
+def test_fsdp2_evaluates_with_unequal_numbers_of_batches_per_rank(tmp_path):
+    """Validation between iterations, ranks with 2 and 1 eval batches: no collective waits on a forward, and the
+    EM pooled over ranks is the same number on both."""
+    _run_2proc(tmp_path, "uneven-eval")
+    ranks = [json.loads((tmp_path / "eval" / f"val{r}.json").read_text()) for r in range(2)]
+    assert "val/world_dev/em" in ranks[0] and ranks[0] == ranks[1]
+
+
 def _pad_worker(rank: int, port: int, out: str) -> None:
     """Rank 0's loss has two parts, rank 1's one; one update step with ShardedGradients."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -262,6 +271,13 @@ def main(out: Path, job: str) -> None:
                          "--trainer.max_steps=1", callbacks=(RecordSteps(folder),))
         return
     fsdp2 = ("--trainer.devices=2", "--trainer.strategy=fsdp2", *COMMON, "--model.mode=bridge")
+    if job == "uneven-eval":  # 12 dev questions in batches of 4: rank 0 evaluates two batches, rank 1 one
+        (out / "eval").mkdir(parents=True, exist_ok=True)
+        cli = fit_tiny(out / "eval", *fsdp2, "--trainer.max_steps=2", "--trainer.val_check_interval=1",
+                       "--trainer.limit_val_batches=null", "--data.max_eval_examples=12")
+        metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
+        (out / "eval" / f"val{cli.trainer.global_rank}.json").write_text(json.dumps(metrics))
+        return
     if job == "warm-start":
         from callbacks.warm_start import WarmStart
 

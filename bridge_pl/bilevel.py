@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bridge_pl.config import SolverConfig
-from bridge_pl.distributed import ShardedGradients, any_across_ranks
+from bridge_pl.distributed import ShardedGradients, any_across_ranks, full_tensor
 
 
 class BilevelProblem(Protocol):
@@ -130,8 +130,7 @@ class ParamUpdate:
             self.sync_grads(self.params)
         grads = [p for p in self.params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(grads, self.clip_norm or float("inf")) if grads else torch.zeros(())
-        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
-            norm = norm.full_tensor()
+        norm = full_tensor(norm)  # FSDP2: the norm of sharded gradients is a DTensor
         if not torch.isfinite(norm):
             self._skip("grad")
             return float(norm)

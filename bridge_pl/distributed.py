@@ -171,18 +171,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def max_across_ranks(value: int) -> int:
-    """The largest ``value`` over all ranks (collective; every rank must call it). One process: ``value``."""
-    if not _distributed():
-        return value
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
-
-
 def any_across_ranks(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank (collective). One process: ``flag``."""
-    return bool(max_across_ranks(int(flag)))
+    """Whether ``flag`` holds on any rank (collective: every rank must call it). One process: ``flag``."""
+    if not _distributed():
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t)
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -211,9 +206,7 @@ def average_replicated_grads(params: Sequence[torch.Tensor]) -> None:
     reduced by FSDP). A no-op in one process."""
     if not _distributed():
         return
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    grads = [p.grad for p in params if p.grad is not None and not is_dtensor(p.grad)]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

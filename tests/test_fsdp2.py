@@ -190,6 +190,7 @@ def _pad_worker(rank: int, port: int, out: str) -> None:
     weights = _trained(model)
     if rank == 0:
         torch.save(weights, out)
+    dist.barrier()  # every rank done with its collectives before gloo is torn down
     dist.destroy_process_group()
 
 
@@ -237,6 +238,7 @@ def _mixed_dtype_worker(rank: int, port: int, out: str) -> None:
     moved = any(float(v.abs().sum()) > 0 for k, v in _trained(policy).items() if "lora_B" in k)
     if rank == 0:
         Path(out).write_text(json.dumps({"dtypes": dtypes, "finite": bool(torch.isfinite(logp).all()), "moved": moved}))
+    dist.barrier()  # every rank done with its collectives before gloo is torn down
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bridge_pl.attention import use_decode_attention
 from bridge_pl.distributed import (
     call_under_root,
     decoder_layers,
@@ -142,6 +143,7 @@ class Policy(nn.Module):
         if load_in_4bit:
             kwargs = self._quantization_kwargs(self.weight_dtype)
         base = load_causal_lm(model, dtype=self.weight_dtype, **kwargs)
+        use_decode_attention(base)  # SDPA, but a matmul path for one-token decode steps (bridge_pl.attention)
         if gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference: nn.Module | None = None  # full fine-tuning: frozen copy of the reference weights

@@ -8,7 +8,8 @@ template), the rollout settings (``max_turns``, ``max_new_tokens_per_turn``, ``m
 (``BridgeModule.retrieve``: K' dense candidates, a Plackett-Luce sample of top_k shown, as in training):
 
 - ``engine``: :class:`bridge_pl.rollout.RolloutEngine` (prompt prefilled once per group, cache kept across turns,
-  finished rows pruned);
+  finished rows pruned), with the policy's attention (``sdpa_decode``, :mod:`bridge_pl.attention`);
+- ``engine, plain SDPA``: the same engine with transformers' SDPA for the decode steps too;
 - ``naive``: the Search-R1 way: every turn calls ``model.generate`` on the full prefix (prompt + all previous turns
   and observations re-encoded), with the same env, stop strings, search function and budgets;
 - ``single``: one ``model.generate`` producing, per row, as many tokens as the engine sampled on average (no turns,
@@ -126,6 +127,11 @@ def main() -> None:
     engine.generate(model, tok, prompts[:1], search_fn, greedy=True)  # warm-up (and the stop-token table)
     trajs, t_engine = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
     n_engine = sum(sum(t.action_mask) for t in trajs)
+    attention = policy.hf_model.config._attn_implementation
+    policy.hf_model.set_attn_implementation("sdpa")
+    trajs_sdpa, t_sdpa = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
+    policy.hf_model.set_attn_implementation(attention)
+    n_sdpa = sum(sum(t.action_mask) for t in trajs_sdpa)
     rows = [p for p in prompts for _ in range(n)]
     sampling = {"do_sample": True, "temperature": settings["temperature"], "top_p": settings["top_p"],
                 "pad_token_id": tok.pad_token_id}
@@ -149,7 +155,8 @@ def main() -> None:
           f"+ {env_tokens:.1f} env tokens per trajectory (load average {os.getloadavg()[0]:.2f}; timings need an "
           "idle machine)")
     print(f"{'method':<22}{'tokens':>8}{'seconds':>10}{'tokens/s':>11}{'vs engine':>11}")
-    for name, count, t in [("engine (KV cache)", n_engine, t_engine), ("naive (re-encode)", n_naive, t_naive),
+    for name, count, t in [("engine (KV cache)", n_engine, t_engine), ("engine, plain SDPA", n_sdpa, t_sdpa),
+                           ("naive (re-encode)", n_naive, t_naive),
                            ("single-turn generate", n_single, t_single)]:
         print(f"{name:<22}{count:>8}{t:>10.2f}{count / t:>11.1f}{(count / t) / (n_engine / t_engine):>10.2f}x")
 

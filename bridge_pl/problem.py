@@ -119,10 +119,14 @@ class RLProblem:
         return rows, slice(0, int(self.batch.attention_mask[rows].sum(-1).max()))
 
     def _forward_rows(self, cols: tuple[slice, slice], score_mask: torch.Tensor | None = None, **kwargs):
-        """:meth:`Policy.forward` on the batch cells ``cols``, scoring the loss tokens unless ``score_mask``."""
+        """:meth:`Policy.forward` on the batch cells ``cols``, scoring the loss tokens unless ``score_mask``.
+
+        Log-probs are those of the sampling policy: logits divided by the batch's sampling temperature.
+        """
         batch = self.batch
         mask = self.mask[cols] if score_mask is None else score_mask
-        return self.policy(batch.input_ids[cols], batch.attention_mask[cols], score_mask=mask, **kwargs)
+        return self.policy(batch.input_ids[cols], batch.attention_mask[cols], score_mask=mask,
+                           temperature=batch.temperature, **kwargs)
 
     def _reference_logprobs(self) -> torch.Tensor | None:
         """``[B, T]`` reference log-probs on the loss tokens; None when the KL term is off or would be 0."""

@@ -134,3 +134,25 @@ def test_bridge_refuses_an_adaptive_retriever_optimizer(tmp_path):
     assert [type(o).__name__ for o in default] == ["AdamW", "SGD", "SGD"]  # θ, φ, ψ
     other = tiny_cli(tmp_path / "rf", "--model.mode=retriever_first", "--model.retriever_optimizer=torch.optim.AdamW")
     assert [type(o).__name__ for o in other.model.configure_optimizers()[0]] == ["AdamW", "AdamW"]
+
+
+def test_the_losses_score_tokens_under_the_distribution_they_were_sampled_from(tmp_path):
+    """At sampling temperature T, π_old of a sampled token is log softmax(logits / T) there, not the untempered
+    log-prob; greedy (evaluation) batches stay at T = 1."""
+    cli = tiny_cli(tmp_path, "--data.temperature=0.5")
+    module, data = cli.model, cli.datamodule
+    data.trainer = cli.trainer
+    module.setup("fit")
+    with searching(module.policy):
+        batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
+        greedy = data.rollout(module, data.load("world/train")[:2], training=False, dataset="dev")
+    assert (batch.temperature, greedy.temperature) == (0.5, 1.0)
+    old = module.problem(batch, keep_credit_graph=False).old_logprobs()
+    with torch.no_grad():
+        logits = module.policy.hf_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    targets = batch.input_ids[:, 1:, None]
+    tempered = torch.log_softmax(logits[:, :-1] / 0.5, dim=-1).gather(-1, targets).squeeze(-1)
+    plain = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, targets).squeeze(-1)
+    sampled = batch.action_mask[:, 1:] == 1
+    torch.testing.assert_close(old[:, 1:][sampled], tempered[sampled], rtol=1e-4, atol=1e-4)
+    assert (old[:, 1:][sampled] - plain[sampled]).abs().max() > 0.1

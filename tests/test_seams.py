@@ -1,5 +1,6 @@
 """The small shared pieces: seed derivation, eval mode, joining rollout batches."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -52,3 +53,12 @@ def test_concat_pads_and_offsets_groups_searches_and_credit():
     assert joined.search_traj.tolist() == [0, 1, 2, 2]  # b's searches point at b's trajectory
     assert joined.credit_searches.tolist() == [1, 3]  # each batch's last search
     assert joined.search_queries == ["q0", "q1", "q0", "q1"] and joined.num_searches.tolist() == [1, 1, 2]
+
+
+def test_concat_refuses_batches_sampled_at_different_temperatures():
+    a, b = _batch([3], 1, [0]), _batch([4], 1, [0])
+    a.temperature, b.temperature = 0.7, 0.7
+    assert RolloutBatch.concat([a, b], pad_token_id=9).temperature == 0.7
+    b.temperature = 1.0
+    with pytest.raises(ValueError, match="temperature"):
+        RolloutBatch.concat([a, b], pad_token_id=9)

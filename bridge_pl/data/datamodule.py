@@ -283,6 +283,7 @@ class RolloutDataModule(L.LightningDataModule):
             retriever_version=retriever_version,
             dataset=dataset,
             sampling=sampling,
+            temperature=self.engine_args["temperature"] if training else 1.0,
         )
         if training and module.credit_queries() > 0:
             self._add_credit_sequences(batch, trajectories, per_traj, module, tokenizer)

@@ -51,6 +51,9 @@ class RolloutBatch:
     retriever_version: int
     dataset: str = "train"
     sampling: dict[str, float] = field(default_factory=dict)  # rollout-side stats (dynamic sampling), logged
+    # the policy's tokens were drawn from softmax(logits / temperature); the RL losses score them at the same
+    # temperature, so ratios, advantages' gradients and the KL are those of the sampling policy (1.0: greedy)
+    temperature: float = 1.0
     # LM credit (docs/method.md section 2): the search calls scored by the policy, and for each of them one
     # packed sequence: its context, one branch per candidate slot (that passage alone), the gold answer.
     credit_searches: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -90,6 +93,7 @@ class RolloutBatch:
         retriever_version: int,
         dataset: str = "train",
         sampling: dict[str, float] | None = None,
+        temperature: float = 1.0,
     ) -> RolloutBatch:
         """Pad trajectories (from :class:`~bridge_pl.rollout.engine.RolloutEngine`) into a batch."""
         B = len(trajectories)
@@ -138,19 +142,22 @@ class RolloutBatch:
             retriever_version=retriever_version,
             dataset=dataset,
             sampling=dict(sampling or {}),
+            temperature=temperature,
         )
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch], pad_token_id: int) -> RolloutBatch:
         """One batch holding ``batches`` in order, as if generated together (e.g. the per-rank shards of one
         data-parallel step): tokens right-padded to the longest, group ids kept apart, search and credit indices
-        offset. The batches must come from the same policy and retriever versions; ``sampling`` stats are dropped.
+        offset. The batches must come from the same policy and retriever versions and sampling temperature;
+        ``sampling`` stats are dropped.
         """
         if not batches:
             raise ValueError("RolloutBatch.concat: no batches")
-        versions = {(b.policy_version, b.retriever_version, b.dataset) for b in batches}
+        versions = {(b.policy_version, b.retriever_version, b.dataset, b.temperature) for b in batches}
         if len(versions) > 1:
-            raise ValueError(f"RolloutBatch.concat: batches from different versions or datasets: {sorted(versions)}")
+            raise ValueError("RolloutBatch.concat: batches from different (policy version, retriever version, "
+                             f"dataset, temperature): {sorted(versions)}")
         T = max(b.input_ids.shape[1] for b in batches)
         K = max(b.search_candidates.shape[1] for b in batches)
         k = max(b.search_order.shape[1] for b in batches)
@@ -194,6 +201,7 @@ class RolloutBatch:
             policy_version=batches[0].policy_version,
             retriever_version=batches[0].retriever_version,
             dataset=batches[0].dataset,
+            temperature=batches[0].temperature,
             credit_searches=torch.cat([b.credit_searches + o for b, o in zip(batches, search_offsets)]),
             credit_sequences=joined("credit_sequences"),
         )

@@ -166,6 +166,11 @@ class Policy(nn.Module):
                 self.model = get_peft_model(base, config)
         else:
             self.model = base
+        # from_pretrained returns models in eval mode, and Lightning keeps each submodule's mode: left so, the
+        # policy would train without its dropout and without activation checkpointing (transformers checkpoints
+        # only in training mode), unless something (e.g. WarmStart) happened to switch it. Rollouts and scoring
+        # passes that must not be stochastic use eval_mode.
+        self.model.train()
 
     @staticmethod
     def _quantization_kwargs(compute_dtype: torch.dtype) -> dict:

@@ -205,3 +205,23 @@ def test_qlora_trains_a_lora_policy_end_to_end_on_cpu(tmp_path):
     trained = policy.trained_state_dict()
     assert trained and all(torch.isfinite(v).all() for v in trained.values())
     assert any("lora_B" in name and value.abs().sum() > 0 for name, value in trained.items())  # θ stepped
+
+
+@pytest.mark.parametrize("start", ["fresh", "adapter"])
+def test_a_built_policy_trains_with_activation_checkpointing(tmp_path, start):
+    """from_pretrained hands back eval-mode models and transformers checkpoints only in training mode: a policy
+    that stayed in eval mode (no WarmStart to switch it) trained with every activation kept."""
+    adapter = None
+    if start == "adapter":
+        Policy("tiny-llama", dtype="float32", lora_r=4).save_adapter(tmp_path / "adapter")
+        adapter = str(tmp_path / "adapter")
+    policy = Policy("tiny-llama", dtype="float32", gradient_checkpointing=True, adapter=adapter)
+    assert all(m.training for m in policy.modules())
+    layers = [m for m in policy.modules() if type(m).__name__.endswith("DecoderLayer")]
+    checkpointed = []
+    for layer in layers:  # transformers routes a checkpointed layer's forward through this function
+        run = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, run=run, **k: checkpointed.append(1) or run(*a, **k)
+    ids = torch.randint(0, 1000, (2, 8))
+    policy(ids, torch.ones_like(ids))[0].sum().backward()
+    assert len(checkpointed) == len(layers) > 0

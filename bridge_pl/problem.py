@@ -226,21 +226,35 @@ class RLProblem:
         """The policy loss over token-budget micro-batches of rows, each weighted by its share of the aggregate."""
         for key in [k for k in self.stats if k.startswith(("policy/", "critic/"))]:
             del self.stats[key]
-        ratios = self.retriever_ratios()
+        advantages = self.policy_advantages()
         for rows in self._row_groups:
             weight = self._part_weight(rows)
             if weight > 0:
-                yield weight * self._policy_loss_rows(rows, ratios[rows], float(weight))
+                yield weight * self._policy_loss_rows(rows, advantages[self._cols(rows)], float(weight))
 
-    def _policy_loss_rows(self, rows: slice, retriever_ratio: torch.Tensor, weight: float) -> torch.Tensor:
-        """F on the trajectories ``rows``; adds ``weight`` × its stats to ``stats``.
+    def policy_advantages(self) -> torch.Tensor:
+        """``[B, T]`` advantages of the θ surrogate at the current φ (docs/method.md section 4.2).
 
-        ``retriever_ratio`` ``[b]`` scales each trajectory's advantage (the retriever's off-policy weight).
+        Each trajectory carries its retriever ratio r_i. GRPO: r_i (R_i − b_g) / σ_g around the r-weighted group
+        baseline b_g, so each group's advantages still sum to 0 (:func:`rl.grpo_advantages`); PPO: the per-token
+        advantages times r_i. Before any φ step (or with a frozen retriever) r = 1 and these are the batch's
+        advantages.
         """
+        if self._shown_logprob_old is None:
+            return self.advantages
+        ratios = self.retriever_ratios()
+        if self.cfg.algorithm == "grpo":
+            batch = self.batch
+            seq = rl.grpo_advantages(batch.rewards, batch.group_ids, scale_by_std=self.cfg.scale_by_std, weights=ratios)
+            return rl.broadcast_to_tokens(seq, self.mask)
+        return self.advantages * ratios[:, None]
+
+    def _policy_loss_rows(self, rows: slice, adv: torch.Tensor, weight: float) -> torch.Tensor:
+        """F on the trajectories ``rows`` with their token advantages ``adv`` ``[b, T_b]``; adds ``weight`` × its
+        stats to ``stats``."""
         cfg = self.cfg
         cols = self._cols(rows)
         mask = self.mask[cols]
-        adv = self.advantages[cols] * retriever_ratio[:, None]
         logp, entropy, hidden = self._forward_rows(cols, entropy=True, entropy_grad=bool(cfg.entropy_coef))
         old = self._old_logprobs.setdefault(rows.start, logp.detach())  # π_old: this first forward, detached
         clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)

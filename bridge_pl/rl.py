@@ -79,15 +79,26 @@ def masked_whiten(
 
 
 def grpo_advantages(
-    scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True, eps: float = 1e-6
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO outcome advantages: each score minus its group's mean, optionally over the group's std.
+
+    With importance ``weights`` w (e.g. the retriever ratios of trajectories sampled before φ stepped) the
+    advantage is w_i (R_i − b_g) / σ_g with the weighted baseline b_g = Σ_g w_j R_j / Σ_g w_j. Then
+    Σ_{i∈g} A_i = 0 as without weights: tokens every trajectory of a group shares (the format, a common first
+    search) get no net push. Multiplying plain advantages by w instead leaves Σ_g w_i (R_i − mean_g) ≠ 0, a push
+    on those shared tokens whose size and sign come from the weights alone. σ_g stays the unweighted std.
 
     Args:
         scores: ``[B]`` sequence rewards.
         group_ids: ``[B]`` integer group label (rollouts of the same prompt share it); any values, any order.
         scale_by_std: divide by ``(unbiased std within the group + eps)``.
         eps: added to the std.
+        weights: ``[B]`` positive importance weights, or None (all 1: plain GRPO).
 
     Returns:
         ``[B]`` advantages. A group of one sample has no baseline and gets 0.
@@ -99,6 +110,8 @@ def grpo_advantages(
         )
     if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
         raise ValueError(f"grpo_advantages: group_ids must be an integer tensor, got {group_ids.dtype}")
+    if weights is not None and weights.shape != scores.shape:
+        raise ValueError(f"grpo_advantages: weights must be [B] like scores; got {tuple(weights.shape)}")
     if not scores.dtype.is_floating_point:
         scores = scores.float()
     _, group = torch.unique(group_ids, return_inverse=True)
@@ -109,11 +122,17 @@ def grpo_advantages(
     total = torch.zeros_like(count).index_add_(0, group, scores)
     centered = scores - (total / count)[group]
     n = count[group]
+    advantages = centered
+    if weights is not None:
+        weights = weights.to(scores.dtype)
+        weight_sum = torch.zeros_like(count).index_add_(0, group, weights)
+        weighted_total = torch.zeros_like(count).index_add_(0, group, weights * scores)
+        advantages = weights * (scores - (weighted_total / weight_sum)[group])
     if scale_by_std:
         sq = torch.zeros_like(count).index_add_(0, group, centered * centered)
         std = (sq[group] / (n - 1).clamp(min=1)).sqrt()
-        centered = centered / (std + eps)
-    return torch.where(n > 1, centered, torch.zeros_like(centered))
+        advantages = advantages / (std + eps)
+    return torch.where(n > 1, advantages, torch.zeros_like(advantages))
 
 
 def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,24 @@ def test_retriever_first_and_policy_first_make_different_policy_updates(tmp_path
     assert any(not torch.equal(thetas["policy_first"][k], thetas["retriever_first"][k]) for k in thetas["policy_first"])
 
 
+def test_after_a_phi_step_each_groups_policy_advantages_still_sum_to_zero(tmp_path, city_qa):
+    """The retriever ratios reweight trajectories, but around the ratio-weighted group baseline: a group's
+    shared tokens (format, first search) get no net push from the weights alone."""
+    module, batch = _module_and_batch(tmp_path, "--model.mode=retriever_first", qa=city_qa)
+    module.solver = make_solver("retriever_first")
+    optimizers, _ = module.configure_optimizers()
+    problem = module.problem(batch)
+    before = problem.policy_advantages()
+    module.solver._phi_steps_on_lower(problem, module.updates_from(optimizers, backward=torch.Tensor.backward))
+    ratios = problem.retriever_ratios()
+    assert not torch.allclose(ratios, torch.ones_like(ratios))  # φ moved the shown lists' probabilities
+    seq = (problem.policy_advantages() * problem.mask).sum(-1) / problem.mask.sum(-1).clamp(min=1)  # per trajectory
+    for group in batch.group_ids.unique():
+        rows = batch.group_ids == group
+        assert abs(float(seq[rows].sum())) < 1e-5
+    assert not torch.allclose(problem.policy_advantages(), before)
+
+
 def test_unmasked_ablation_trains_observation_tokens_from_their_real_old_logprobs(tmp_path, city_qa):
     module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", "--model.rl.mask_observations=false", qa=city_qa)
     # one micro-batch: the captured logp below covers the batch

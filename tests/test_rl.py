@@ -54,6 +54,22 @@ def test_grpo_advantages_hand_computed():
     torch.testing.assert_close(rl.grpo_advantages(scores, groups, scale_by_std=False), expected_raw)
 
 
+def test_importance_weighted_grpo_advantages_hand_computed():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0])
+    groups = torch.tensor([0, 0, 0, 0, 1])
+    weights = torch.tensor([0.8, 1.2, 1.2, 1.0, 1.1])
+    # group 0: weighted baseline (0.8 * 1) / (0.8 + 1.2 + 1.2 + 1.0) = 0.190476; unweighted std of [1,0,0,0]:
+    #   mean 0.25, unbiased var (0.5625 + 3 * 0.0625) / 3 = 0.25, std 0.5. A = w (R - b) / 0.5:
+    #   0.8 * 0.809524 / 0.5 = 1.295238, 1.2 * -0.190476 / 0.5 = -0.457143, 1.0 * -0.190476 / 0.5 = -0.380952.
+    # group 1: one sample -> 0.
+    expected = torch.tensor([1.295238, -0.457143, -0.457143, -0.380952, 0.0])
+    advantages = rl.grpo_advantages(scores, groups, eps=0.0, weights=weights)
+    torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
+    assert abs(float(advantages[:4].sum())) < 1e-6  # the group still sums to 0
+    assert abs(float((weights * rl.grpo_advantages(scores, groups, eps=0.0))[:4].sum())) > 0.1  # scaling alone: not
+    assert torch.equal(rl.grpo_advantages(scores, groups, weights=torch.ones(5)), rl.grpo_advantages(scores, groups))
+
+
 def test_grpo_advantages_interleaved_arbitrary_ids():
     scores = torch.tensor([2.0, 1.0, 4.0, 5.0])
     groups = torch.tensor([7, -3, 7, -3])

@@ -23,6 +23,16 @@ def tiny_cli(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = (TINY,)
     return BridgeCLI(args=args, run=False)
 
 
+def tiny_module(tmp_path: Path, *overrides: str):
+    """``(module, datamodule)`` of the tiny config, set up for ``fit`` and wired together without a ``Trainer.fit``:
+    what a test needs to call ``datamodule.rollout(module, ...)`` and build ``module.problem(batch)``."""
+    cli = tiny_cli(tmp_path, *overrides)
+    module, data = cli.model, cli.datamodule
+    data.trainer = cli.trainer
+    module.setup("fit")
+    return module, data
+
+
 @contextlib.contextmanager
 def bigram_bias(model, table: dict[int, dict[int, float]], generation_only: bool = True):
     """While active, logits after input token ``src`` get ``+table[src][dst]`` on each token ``dst``.

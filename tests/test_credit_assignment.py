@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import searching, tiny_cli
+from helpers import searching, tiny_module
 
 from bridge_pl.bilevel import make_solver
 
@@ -29,10 +29,7 @@ def city_qa(tmp_path):
 
 
 def _module_and_batch(tmp_path, *overrides, answers=WORDS, qa=None):
-    cli = tiny_cli(tmp_path, "--data.n_samples=4", *([f"--data.train={qa}"] if qa else []), *overrides)
-    module, data = cli.model, cli.datamodule
-    data.trainer = cli.trainer
-    module.setup("fit")
+    module, data = tiny_module(tmp_path, "--data.n_samples=4", *([f"--data.train={qa}"] if qa else []), *overrides)
     torch.manual_seed(0)
     with searching(module.policy, answers=answers):
         batch = data.rollout(module, data.load(data.train_source)[:2], training=True, dataset="train")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import searching, tiny_cli
+from helpers import searching, tiny_cli, tiny_module
 
 from bridge_pl import rl
 
@@ -21,10 +21,7 @@ def mixed_qa(tmp_path):
 
 
 def _training_batch(tmp_path, qa, *overrides, answers=(" Paris", " Rome")):
-    cli = tiny_cli(tmp_path, f"--data.train={qa}", "--data.n_samples=4", *overrides)
-    module, data = cli.model, cli.datamodule
-    data.trainer = cli.trainer
-    module.setup("fit")
+    module, data = tiny_module(tmp_path, f"--data.train={qa}", "--data.n_samples=4", *overrides)
     torch.manual_seed(0)
     examples = [ex for ex in data.load(data.train_source) if ex.golden_answers == ["Lyon"]][:2]
     with searching(module.policy, answers=answers):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import searching, tiny_cli
+from helpers import searching, tiny_cli, tiny_module
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -158,10 +158,7 @@ def test_answer_teacher_marks_passages_holding_a_gold_answer():
 
 def test_lm_teacher_is_the_solvers_teacher_of_the_batch(tmp_path):
     """By default G is probed on the batch's LM-credit searches with ℓ_θ as the solver computes it."""
-    cli = tiny_cli(tmp_path, "--model.mode=bridge")
-    module, data = cli.model, cli.datamodule
-    data.trainer = cli.trainer
-    module.setup("fit")
+    module, data = tiny_module(tmp_path, "--model.mode=bridge")
     with searching(module.policy):
         batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
     assert batch.credit_searches.numel() > 0

@@ -3,7 +3,7 @@
 import lightning as L
 import pytest
 import torch
-from helpers import fit_tiny, searching, tiny_cli
+from helpers import fit_tiny, searching, tiny_cli, tiny_module
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 
@@ -66,10 +66,7 @@ def test_policy_first_and_retriever_first_make_different_updates(tmp_path):
 
 
 def test_retrieved_tokens_get_zero_gradient(tmp_path):
-    cli = tiny_cli(tmp_path)
-    module, data = cli.model, cli.datamodule
-    data.trainer = cli.trainer
-    module.setup("fit")
+    module, data = tiny_module(tmp_path)
     with searching(module.policy):
         batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
     assert batch.search_traj.numel() > 0  # observations are in the batch
@@ -139,10 +136,7 @@ def test_bridge_refuses_an_adaptive_retriever_optimizer(tmp_path):
 def test_the_losses_score_tokens_under_the_distribution_they_were_sampled_from(tmp_path):
     """At sampling temperature T, π_old of a sampled token is log softmax(logits / T) there, not the untempered
     log-prob; greedy (evaluation) batches stay at T = 1."""
-    cli = tiny_cli(tmp_path, "--data.temperature=0.5")
-    module, data = cli.model, cli.datamodule
-    data.trainer = cli.trainer
-    module.setup("fit")
+    module, data = tiny_module(tmp_path, "--data.temperature=0.5")
     with searching(module.policy):
         batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
         greedy = data.rollout(module, data.load("world/train")[:2], training=False, dataset="dev")

@@ -1,8 +1,9 @@
 """``sdpa_decode``: PyTorch SDPA attention, except single-token decode steps, which use two small matmuls.
 
 On CPU, ``scaled_dot_product_attention`` with a one-token query (transformers folds the grouped-query heads
-into a query of length ``n_heads / n_kv_heads``) runs a flash kernel built for long queries: in the demo's
-evaluation it took a fifth of the time. A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched
+into a query of length ``n_heads / n_kv_heads``) runs a flash kernel built for long queries: when no row is
+padded (transformers then passes no mask) it took 61 % of a decode step in a profile of the demo's policy
+(``benchmarks/decode_attention_bench.py`` times both). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched
 matmul over the grouped heads, a float32 softmax and a second matmul do it without copying the cache.
 Every other call (prefill, an observation fed to the cache, training forwards) goes to transformers' SDPA.
 """

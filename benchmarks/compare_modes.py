@@ -32,10 +32,15 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import Checkpoint
 
 from bridge_pl.bilevel import mode_arguments
 from bridge_pl.cli import BridgeCLI
+from bridge_pl.data.qa import QAExample
+from bridge_pl.data.world import hop_probes
+from bridge_pl.module import BridgeModule
 from callbacks.credit_report import CreditReport
+from callbacks.landscape import LossLandscape
 from callbacks.warm_start import WarmStart
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +54,7 @@ VARIANTS = {
 WARM = "warm"  # the per-seed warm start's run folder and worker name
 # table column -> test metric name under test/<dataset>/
 COLUMNS = {"EM": "em", "F1": "f1", "retrieval-miss share": "credit/retrieval_miss_rate", "recall@k": "credit/recall@k"}
+HOP_RECALL = "hop recall@k"  # the query encoder on the world's own hop queries (hop_recall)
 
 
 class DevCurve(L.Callback):
@@ -84,13 +90,37 @@ def run_dir(args: argparse.Namespace, name: str, seed: int) -> Path:
 def build_cli(args: argparse.Namespace, overrides: list[str], name: str, seed: int, extra: list[str]) -> BridgeCLI:
     """The config's CLI (not run) for one step of the comparison, seeded and writing under its run folder."""
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # our own flags are in sys.argv
-    return BridgeCLI(args=["--config", args.config, f"--seed_everything={seed}", f"--data.seed={seed}",
-                           f"--trainer.default_root_dir={run_dir(args, name, seed)}",
-                           "--trainer.enable_checkpointing=false", *extra, *overrides], run=False)
+    cli = BridgeCLI(args=["--config", args.config, f"--seed_everything={seed}", f"--data.seed={seed}",
+                          f"--trainer.default_root_dir={run_dir(args, name, seed)}", *extra, *overrides], run=False)
+    # no checkpoints (each run's result is its record) and no landscape probes (their time is not the mode's);
+    # the config's WarmStart runs once per seed, in the warm step
+    dropped = (Checkpoint, LossLandscape) if name == WARM else (Checkpoint, LossLandscape, WarmStart)
+    cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, dropped)]
+    return cli
+
+
+def hop_recall(module: BridgeModule, examples: list[QAExample]) -> float:
+    """Recall@k (k = ``model.retrieval.top_k``) of the module's retriever, with its current query encoder, on the
+    gold passage of every hop of ``examples`` (``hop_probes``: the world's own hop queries, not the policy's)."""
+    pairs = [pair for probe in hop_probes(examples).values() for pair in probe]
+    _, rows = module.retriever.search([query for query, _ in pairs], module.retrieval_config.top_k)
+    return statistics.mean(gold in {module.retriever.passage(r).id for r in top}
+                           for (_, gold), top in zip(pairs, rows.tolist()))
+
+
+def test_metrics(trainer: L.Trainer, module: BridgeModule, data) -> dict[str, float]:
+    """The table's test columns for ``module``: the config's first test set, whole (``data.max_eval_examples`` caps
+    the dev set only), then ``hop recall@k`` on it."""
+    test = next(iter(data.test_sources))
+    data.max_eval_examples = None
+    metrics = {k: v for per_loader in trainer.test(module, data, verbose=False) for k, v in per_loader.items()}
+    return {**{column: metrics.get(f"test/{test}/{name}", math.nan) for column, name in COLUMNS.items()},
+            HOP_RECALL: hop_recall(module, data.load(data.test_sources[test]))}
 
 
 def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dict:
-    """Worker: the config's ``WarmStart`` for one seed (no RL iteration), saved; then the dev EM it reaches."""
+    """Worker: the config's ``WarmStart`` for one seed (no RL iteration), saved; then the dev EM it reaches and its
+    test metrics (the untrained query encoder's, for the retriever columns)."""
     cli = build_cli(args, overrides, WARM, seed, ["--trainer.max_steps=0"])
     trainer, data = cli.trainer, cli.datamodule
     adapter = run_dir(args, WARM, seed) / "adapter"
@@ -100,8 +130,9 @@ def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dic
     trainer.fit(cli.model, data)
     trainer.validate(cli.model, data, verbose=False)
     dev = next(iter(data.val_sources))
-    return {"seed": seed, "adapter": str(adapter) if warm else None,
-            "dev_em": float(trainer.callback_metrics[f"val/{dev}/em"])}
+    dev_em = float(trainer.callback_metrics[f"val/{dev}/em"])
+    return {"seed": seed, "adapter": str(adapter) if warm else None, "dev_em": dev_em,
+            **test_metrics(trainer, cli.model, data)}
 
 
 def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str, seed: int) -> dict:
@@ -114,8 +145,7 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
         extra.append(f"--model.policy.init_args.adapter={warm['adapter']}")
     cli = build_cli(args, overrides, variant, seed, extra)
     trainer, data = cli.trainer, cli.datamodule
-    trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, WarmStart)]  # done once per seed
-    dev, test = next(iter(data.val_sources)), next(iter(data.test_sources))
+    dev = next(iter(data.val_sources))
     curve = DevCurve(dev)
     trainer.callbacks.append(curve)
     if not any(isinstance(c, CreditReport) for c in trainer.callbacks):
@@ -123,11 +153,10 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
     start = time.perf_counter()
     trainer.fit(cli.model, data)
     fit_s = time.perf_counter() - start
-    metrics = {k: v for per_loader in trainer.test(cli.model, data, verbose=False) for k, v in per_loader.items()}
     return {
         "variant": variant, "seed": seed, "fit_s": fit_s, "dev_curve": [(0, warm["dev_em"]), *curve.points],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # ru_maxrss is in KiB
-        **{column: metrics.get(f"test/{test}/{name}", math.nan) for column, name in COLUMNS.items()},
+        **test_metrics(trainer, cli.model, data),
     }
 
 

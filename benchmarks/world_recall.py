@@ -20,8 +20,7 @@ import time
 
 import torch
 
-from bridge_pl.data.qa import QAExample
-from bridge_pl.data.world import build_world
+from bridge_pl.data.world import build_world, hop_probes
 from bridge_pl.models import load_encoder, load_tokenizer
 
 KS = (1, 3, 10)
@@ -41,20 +40,6 @@ def encode(texts: list[str], model, tokenizer, batch_size: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def probes(examples: list[QAExample]) -> dict[str, list[tuple[str, str]]]:
-    """Row name -> list of (query, gold passage id)."""
-    rows: dict[str, list[tuple[str, str]]] = {"single": [], "bridge hop 1": [], "bridge hop 2": [],
-                                               "comparison hop 1": [], "comparison hop 2": []}
-    for ex in examples:
-        kind, gold, queries = ex.metadata["type"], ex.metadata["gold_passages"], ex.metadata["hop_queries"]
-        if kind == "single":
-            rows["single"].append((queries[0], gold[0][0]))
-        else:
-            for hop in (0, 1):
-                rows[f"{kind} hop {hop + 1}"].append((queries[hop], gold[hop][0]))
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="world seed")
@@ -70,7 +55,7 @@ def main() -> None:
     print(f"world seed {args.seed}: {len(world.corpus)} passages, {len(world.dev) + len(world.test)} "
           f"dev+test questions; untrained minilm-l6, brute-force inner product")
     print(f"{'probe':<18}{'n':>6}" + "".join(f"{f'R@{k}':>8}" for k in KS))
-    for name, pairs in probes(world.dev + world.test).items():
+    for name, pairs in hop_probes(world.dev + world.test).items():
         queries = encode([q for q, _ in pairs], model, tokenizer, args.batch_size)  # [Q, H]
         top = (queries @ passages.T).topk(max(KS), dim=1).indices  # [Q, max k]
         gold = torch.tensor([row_of[g] for _, g in pairs]).unsqueeze(1)  # [Q, 1]

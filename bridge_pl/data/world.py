@@ -426,6 +426,26 @@ def build_world(
                  test=examples[n_dev:n_dev + n_test], seed=seed)
 
 
+def hop_probes(examples: list[QAExample]) -> dict[str, list[tuple[str, str]]]:
+    """The retrieval each hop of the world's questions needs: probe name -> ``(query, gold passage id)`` pairs.
+
+    Probes: ``single`` (the question -> its passage), ``bridge hop 1`` / ``hop 2`` (the question -> the first
+    entity's passage; the follow-up query, e.g. "<city> country" -> the second's) and ``comparison hop 1`` /
+    ``hop 2`` ("<name> born" / "<name> founded" -> each compared entity's passage). Queries are the ones stored
+    in ``metadata["hop_queries"]``, not the policy's, so the retriever's recall is measured on its own.
+    """
+    rows: dict[str, list[tuple[str, str]]] = {"single": [], "bridge hop 1": [], "bridge hop 2": [],
+                                               "comparison hop 1": [], "comparison hop 2": []}
+    for ex in examples:
+        kind, gold, queries = ex.metadata["type"], ex.metadata["gold_passages"], ex.metadata["hop_queries"]
+        if kind == "single":
+            rows["single"].append((queries[0], gold[0][0]))
+        else:
+            for hop in (0, 1):
+                rows[f"{kind} hop {hop + 1}"].append((queries[hop], gold[hop][0]))
+    return rows
+
+
 def write_world(out_dir: str | Path, seed: int = 0, **sizes: int) -> dict[str, Path]:
     """Build a world and write ``corpus.jsonl``, ``train.jsonl``, ``dev.jsonl``, ``test.jsonl`` into
     ``out_dir``; ``sizes`` are :func:`build_world`'s keyword sizes. Returns ``{name: path}``.

@@ -9,12 +9,15 @@ the variants differ only in what happens after it. Each (variant, seed) is one `
 retrieval-miss share and recall@k) and its own peak RSS and fit time, into ``<runs>/<variant>_seed<seed>/result.json``.
 Finished runs are not repeated (delete their folder to redo one), so an interrupted comparison resumes.
 
-Outputs, mean ± std over seeds: ``<out>/compare_modes.md`` (table) and ``<out>/compare_modes_dev_em.png``
-(dev-EM curves). Usage::
+Outputs: ``<out>/compare_modes.md`` (per mode, mean ± std over seeds, with a ``warm start`` row for the policy every
+mode starts from; the paired difference of each mode vs ``frozen``, mean ± standard error; the paper's claims, each
+reproduced, refuted or within noise by a paired t-interval) and ``<out>/compare_modes_dev_em.png`` (dev-EM curves).
+Checkpoints and the config's ``LossLandscape`` probes are left out of every run. Usage::
 
     python benchmarks/compare_modes.py                                   # configs/demo.yaml, seeds 0 1 2
     python benchmarks/compare_modes.py --config tests/configs/tiny.yaml --max-steps 2 --seeds 0   # plumbing
     python benchmarks/compare_modes.py --modes frozen bridge --data.batch_size=4   # extra args: config overrides
+    python benchmarks/compare_modes.py --max-steps 8 --table-only   # the report so far, from the finished runs
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ WARM = "warm"  # the per-seed warm start's run folder and worker name
 # table column -> test metric name under test/<dataset>/
 COLUMNS = {"EM": "em", "F1": "f1", "retrieval-miss share": "credit/retrieval_miss_rate", "recall@k": "credit/recall@k"}
 HOP_RECALL = "hop recall@k"  # the query encoder on the world's own hop queries (hop_recall)
+METRICS = [*COLUMNS, HOP_RECALL]
 
 
 class DevCurve(L.Callback):
@@ -79,6 +83,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--modes", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"), help="folder of the table and plot")
     parser.add_argument("--runs", default="runs/compare_modes", help="folder of the per-run logs and results")
+    parser.add_argument("--table-only", action="store_true",
+                        help="write the table and plot from the finished runs only (the others are listed as not run)")
     parser.add_argument("--worker", nargs=2, metavar=("STEP", "SEED"), help=argparse.SUPPRESS)  # internal
     return parser.parse_known_args(argv)
 
@@ -160,46 +166,122 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
     }
 
 
-def run_step(args: argparse.Namespace, argv: list[str], name: str, seed: int) -> dict:
-    """Run one step of the comparison in a subprocess (unless its result is already there); its result record."""
+def finished(args: argparse.Namespace, argv: list[str], name: str, seed: int) -> list[dict]:
+    """One step of the comparison's result record (in a list), run first in a subprocess unless it is there;
+    with ``--table-only`` nothing runs, and a step not yet run gives ``[]``."""
     result = run_dir(args, name, seed) / "result.json"
-    if not result.exists():
+    if not result.exists() and not args.table_only:
         print(f"compare_modes: {name}, seed {seed}", flush=True)
         subprocess.run([sys.executable, __file__, *argv, "--worker", name, str(seed)], check=True)
-    return json.loads(result.read_text())
+    return [json.loads(result.read_text())] if result.exists() else []
+
+
+def finite(values: list[float]) -> list[float]:
+    return [v for v in values if not math.isnan(v)]
 
 
 def mean_std(values: list[float], digits: int) -> str:
-    values = [v for v in values if not math.isnan(v)]
+    values = finite(values)
     if not values:
         return "n/a"
     std = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.{digits}f} ± {std:.{digits}f}"
 
 
-def markdown(results: dict[str, list[dict]], args: argparse.Namespace, argv: list[str]) -> str:
-    seeds = " ".join(map(str, args.seeds))
+def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int]:
+    """``a − b`` over the seeds both have a finite value for: (mean, standard error of the mean, seeds).
+
+    The SE is the sample std of the per-seed differences over √n (nan below two seeds; mean nan with none).
+    """
+    diffs = [a[s] - b[s] for s in sorted(a.keys() & b.keys()) if not math.isnan(a[s] - b[s])]
+    if not diffs:
+        return math.nan, math.nan, 0
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+    return statistics.mean(diffs), se, len(diffs)
+
+
+# two-sided 95 % quantiles of Student's t by degrees of freedom (seeds − 1); 1.96 beyond the table
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def verdict(mean: float, se: float, n: int) -> str:
+    """The claim ``difference > 0``: reproduced / refuted when the paired 95 % t-interval lies above / below 0."""
+    if n < 2:
+        return "not tested (fewer than 2 seeds)"
+    half = T95.get(n - 1, 1.96) * se
+    if mean - half > 0:
+        return "reproduced"
+    return "refuted" if mean + half < 0 else "within noise"
+
+
+# the paper's claims on test EM: (claim, the mode claimed better, the mode claimed worse)
+CLAIMS = [
+    ("retriever_first > policy_first", "retriever_first", "policy_first"),
+    ("bridge > frozen", "bridge", "frozen"),
+    ("bridge > policy_first", "bridge", "policy_first"),
+    ("bridge > retriever_first", "bridge", "retriever_first"),
+    ("unmasked < masked (bridge)", "bridge", "unmasked"),
+]
+BASELINE = "frozen"
+
+
+def by_seed(runs: list[dict], key: str) -> dict[int, float]:
+    return {r["seed"]: float(r[key]) for r in runs}
+
+
+def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Namespace, argv: list[str]) -> str:
+    """The report: per-mode table (mean ± std), paired differences vs ``frozen`` (mean ± SE), the claims."""
     config = Path(args.config).resolve()
     config = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
+    done = {v: sorted(r["seed"] for r in runs) for v, runs in results.items()}
+    missing = [f"{v} seed {s}" for v in results for s in args.seeds if s not in done[v]]
     lines = [
         "# Mode comparison on the world",
         "",
         f"`{shlex.join(['python', 'benchmarks/compare_modes.py', *argv])}`",
         "",
-        f"Config `{config}`, seeds {seeds}, test metrics on the config's first test set; mean ± std over seeds "
-        "(n/a: undefined in every run, e.g. no failed trajectory). Peak memory: each run's peak RSS (whole process); "
-        "time: `trainer.fit` wall time (RL iterations + validations; the shared warm start is not included). "
-        "Step 0 of the dev-EM curves is the warm-started policy every variant of a seed starts from; "
-        "dev EM change: last validation minus step 0.",
+        f"Config `{config}`, seeds {' '.join(map(str, args.seeds))}"
+        + (f"; **not yet run: {', '.join(missing)}**" if missing else "") + ". "
+        "Test metrics on the config's first test set, whole; mean ± std over seeds (n/a: undefined in every run, "
+        "e.g. no failed trajectory). recall@k: gold passages among those shown to the policy for its own queries "
+        "(`CreditReport`); hop recall@k: the query encoder alone, on the world's own hop queries. Peak memory: each "
+        "run's peak RSS (whole process); time: `trainer.fit` wall time (RL iterations + validations; the shared "
+        "warm start is not included). Dev-EM curve: mean dev EM at each validation, step 0 being the warm-started "
+        "policy every mode of a seed starts from (the `warm start` row: its test metrics, untrained retriever).",
         "",
-        "| mode | " + " | ".join(f"test {c}" for c in COLUMNS) + " | dev EM change | peak RSS (MB) | fit time (s) |",
-        "|---" * (len(COLUMNS) + 4) + "|",
+        "| mode | seeds | " + " | ".join(f"test {c}" for c in METRICS)
+        + " | dev-EM curve | peak RSS (MB) | fit time (s) |",
+        "|---" * (len(METRICS) + 5) + "|",
     ]
-    for variant, runs in results.items():
-        cells = [mean_std([r[c] for r in runs], 3) for c in COLUMNS]
-        cells.append(mean_std([r["dev_curve"][-1][1] - r["dev_curve"][0][1] for r in runs], 3))
-        cells += [mean_std([r["peak_rss_mb"] for r in runs], 0), mean_std([r["fit_s"] for r in runs], 0)]
+    rows = [("warm start", warm), *results.items()]
+    for variant, runs in rows:
+        cells = [str(len(runs))] + [mean_std([r.get(c, math.nan) for r in runs], 3) for c in METRICS]
+        curves = [r.get("dev_curve", [(0, r.get("dev_em", math.nan))]) for r in runs]  # warm: its dev EM
+        steps = sorted({s for curve in curves for s, _ in curve})
+        cells.append(" → ".join(f"{statistics.mean(em for c in curves for s2, em in c if s2 == s):.3f}"
+                                for s in steps) or "-")
+        for key, digits in (("peak_rss_mb", 0), ("fit_s", 0)):
+            cells.append(mean_std([r[key] for r in runs], digits) if all(key in r for r in runs) and runs else "-")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    base = results.get(BASELINE, [])
+    lines += ["", f"Paired differences vs `{BASELINE}` (same seed), mean ± standard error over seeds:", "",
+              "| mode | " + " | ".join(f"Δ test {c}" for c in METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
+    for variant, runs in results.items():
+        if variant == BASELINE:
+            continue
+        cells = []
+        for c in METRICS:
+            mean, se, n = paired_difference(by_seed(runs, c), by_seed(base, c))
+            cells.append("n/a" if n == 0 else f"{mean:+.3f} ± {se:.3f} (n={n})")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += ["", "The paper's claims on test EM: reproduced / refuted when the paired 95 % t-interval of the "
+              "difference lies above / below 0, else within noise.", "",
+              "| claim | difference (mean ± SE) | seeds | verdict |", "|---|---|---|---|"]
+    for claim, better, worse in CLAIMS:
+        if better in results and worse in results:
+            mean, se, n = paired_difference(by_seed(results[better], "EM"), by_seed(results[worse], "EM"))
+            difference = "n/a" if n == 0 else f"{mean:+.3f} ± {se:.3f}"
+            lines.append(f"| {claim} | {difference} | {n} | {verdict(mean, se, n)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -216,6 +298,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     shift = 0.04
     for i, (variant, runs) in enumerate(results.items()):
+        if not runs:
+            continue
         by_step: dict[int, list[float]] = {}
         for run in runs:
             for step, em in run["dev_curve"]:
@@ -244,13 +328,15 @@ def main(argv: list[str] | None = None) -> None:
         (run_dir(args, name, seed) / "result.json").write_text(json.dumps(result, indent=1))
         return
     results: dict[str, list[dict]] = {variant: [] for variant in args.modes}
+    warm: list[dict] = []
     for seed in args.seeds:  # seed-major: an interrupted comparison already has every variant for early seeds
-        run_step(args, argv, WARM, seed)
+        warm += finished(args, argv, WARM, seed)
         for variant in args.modes:
-            results[variant].append(run_step(args, argv, variant, seed))
+            results[variant] += finished(args, argv, variant, seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare_modes.md").write_text(markdown(results, args, argv))
+    command = [a for a in argv if a != "--table-only"]
+    (out / "compare_modes.md").write_text(markdown(results, warm, args, command))
     plot(results, out / "compare_modes_dev_em.png")
     print((out / "compare_modes.md").read_text())
     print(f"plot: {out / 'compare_modes_dev_em.png'}")

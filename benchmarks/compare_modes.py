@@ -245,9 +245,10 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         "Test metrics on the config's first test set, whole; mean ± std over seeds (n/a: undefined in every run, "
         "e.g. no failed trajectory). recall@k: gold passages among those shown to the policy for its own queries "
         "(`CreditReport`); hop recall@k: the query encoder alone, on the world's own hop queries. Peak memory: each "
-        "run's peak RSS (whole process); time: `trainer.fit` wall time (RL iterations + validations; the shared "
-        "warm start is not included). Dev-EM curve: mean dev EM at each validation, step 0 being the warm-started "
-        "policy every mode of a seed starts from (the `warm start` row: its test metrics, untrained retriever).",
+        "run's peak RSS (whole process) by the end of `fit`; time: `trainer.fit` wall time (RL iterations + "
+        "validations; the shared warm start is not included). Dev-EM curve: mean dev EM at each validation, step 0 "
+        "being the warm-started policy every mode of a seed starts from (the `warm start` row: its test metrics, "
+        "untrained retriever).",
         "",
         "| mode | seeds | " + " | ".join(f"test {c}" for c in METRICS)
         + " | dev-EM curve | peak RSS (MB) | fit time (s) |",

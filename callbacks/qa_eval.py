@@ -3,12 +3,17 @@
 The numbers (``val/<dataset>/em``, ``f1``, ``sub_em``, ``searches``, ``turns``, ``valid_action_rate`` and
 their averages ``val/<name>``) are logged by ``BridgeModule`` itself; this callback adds what a researcher
 reads next: ``<run dir>/predictions/<stage>_<dataset>_step<step>.jsonl`` (one line per question:
-``id, question, golden_answers, prediction, em, f1, reward, response, searches``, where each search is
-``{query, titles, ids}`` of the passages shown) and ``add_text`` panels ``<stage>/<dataset>/trajectories``
-on every TensorBoard logger. The run dir is ``trainer.log_dir`` (the logger's version folder, or
-``default_root_dir`` without a logger). The step is the model's training step (``BridgeModule.policy_version``,
-saved in checkpoints), so ``bridge-pl validate --ckpt_path`` names its files like the fit's validation
-did at that step (``trainer.global_step`` is 0 outside ``fit``).
+``id, question, type, golden_answers, prediction, em, f1, reward, response, searches``, where ``type`` is the
+example's ``metadata["type"]`` (the world's ``single`` / ``bridge`` / ``comparison``; null when the data has none)
+and each search is ``{query, titles, ids}`` of the passages shown), ``add_text`` panels
+``<stage>/<dataset>/trajectories`` on every TensorBoard logger, and, when the examples have a type, EM and
+searches per type on every logger: ``<stage>/<dataset>/by_type/<type>/em``, ``.../searches`` (a policy that
+never searches twice scores 0 on 2-hop questions; the dataset average hides it).
+
+The run dir is ``trainer.log_dir`` (the logger's version folder, or ``default_root_dir`` without a logger).
+The step is the model's training step (``BridgeModule.policy_version``, saved in checkpoints), so
+``bridge-pl validate --ckpt_path`` names its files like the fit's validation did at that step
+(``trainer.global_step`` is 0 outside ``fit``).
 
 With several processes every rank's predictions are gathered to rank 0, put back in dataset order
 (Lightning's ``DistributedSampler`` deals example i to rank i mod world), de-duplicated by example id
@@ -50,6 +55,7 @@ def prediction_records(batch: RolloutBatch, passage: Callable[[int], Passage]) -
         records.append({
             "id": batch.example_ids[b],
             "question": batch.questions[b],
+            "type": batch.metadata[b].get("type"),
             "golden_answers": list(golds),
             "prediction": answer,
             "em": exact_match(answer, golds),
@@ -62,6 +68,22 @@ def prediction_records(batch: RolloutBatch, passage: Callable[[int], Passage]) -
             ],
         })
     return records
+
+
+def metrics_by_type(records: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    """Mean EM and searches per question type: ``{prefix}/by_type/<type>/em`` and ``.../searches``.
+
+    Records whose ``type`` is None are left out; no typed record, no metric.
+    """
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        if record["type"] is not None:
+            by_type.setdefault(str(record["type"]), []).append(record)
+    metrics = {}
+    for kind, group in sorted(by_type.items()):
+        metrics[f"{prefix}/by_type/{kind}/em"] = sum(r["em"] for r in group) / len(group)
+        metrics[f"{prefix}/by_type/{kind}/searches"] = sum(len(r["searches"]) for r in group) / len(group)
+    return metrics
 
 
 def gather_to_rank_zero(local: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -156,6 +178,9 @@ class QAEval(L.Callback):
                 path = run_dir / "predictions" / f"{stage}_{name}_step{step}.jsonl"
                 _write_jsonl(path, records)
                 self.written.append(path)
+            typed = metrics_by_type(records, f"{stage}/{name}")
+            for logger in trainer.loggers if typed else ():
+                logger.log_metrics(typed, step)
             if self.num_trajectories:
                 text = "\n\n---\n\n".join(map(trajectory_markdown, records[: self.num_trajectories]))
                 for logger in trainer.loggers:

@@ -21,7 +21,7 @@ from test_credit_report import PASSAGES, rollout_batch
 from bridge_pl.cli import BridgeCLI
 from bridge_pl.credit_analysis import CreditCounts, batch_verdicts
 from callbacks.credit_report import CreditReport
-from callbacks.qa_eval import QAEval, merge_rank_records, prediction_records, trajectory_markdown
+from callbacks.qa_eval import QAEval, merge_rank_records, metrics_by_type, prediction_records, trajectory_markdown
 
 # every eval question alone in its batch, so how examples are split into batches cannot change generation
 EVAL_ALONE = ("--data.eval_batch_size=1", "--trainer.limit_val_batches=1.0", "--data.max_eval_examples=4")
@@ -32,6 +32,7 @@ def hand_batch():
         answers=["Paris", "the Paris city", None],
         golds=[["Paris"], ["Lyon", "paris"], ["Berlin"]],
         searches=[(1, "capital of france", [0, 1])],
+        metadata=[{"type": "single"}, {"type": "bridge"}, {}],
         rewards=[1.0, 0.0, 0.0],
         dataset="dev",
     )
@@ -48,14 +49,26 @@ def test_prediction_records_hand_count():
         {"query": "capital of france", "titles": ["Paris", "France"], "ids": ["p0", "p1"]}
     ]
     assert records[0]["searches"] == [] and records[1]["golden_answers"] == ["Lyon", "paris"]
+    assert [r["type"] for r in records] == ["single", "bridge", None]
     text = trajectory_markdown(records[1])
     assert "capital of france" in text and "Paris [p0]; France [p1]" in text and "Lyon | paris" in text
 
 
+def test_metrics_by_type_hand_count():
+    records = [{"type": "bridge", "em": 1.0, "searches": [1, 2]}, {"type": "bridge", "em": 0.0, "searches": [1]},
+               {"type": "single", "em": 0.0, "searches": []}, {"type": None, "em": 1.0, "searches": [1]}]
+    assert metrics_by_type(records, "val/dev") == {
+        "val/dev/by_type/bridge/em": 0.5, "val/dev/by_type/bridge/searches": 1.5,
+        "val/dev/by_type/single/em": 0.0, "val/dev/by_type/single/searches": 0.0,
+    }
+    assert metrics_by_type(records[3:], "val/dev") == {}  # untyped data: nothing logged
+
+
 def test_report_writes_a_file_per_dataset_and_a_text_panel(tmp_path):
     logger = L.pytorch.loggers.TensorBoardLogger(tmp_path / "tb")
-    panels = []
+    panels, logged = [], []
     logger.experiment.add_text = lambda tag, text, step: panels.append((tag, text, step))
+    logger.log_metrics = lambda metrics, step: logged.append((metrics, step))
     trainer = types.SimpleNamespace(
         log_dir=str(tmp_path), default_root_dir=str(tmp_path), global_step=5, loggers=[logger], sanity_checking=False,
         datamodule=types.SimpleNamespace(test_sources={"dev": "world/dev", "empty": "world/test"}),
@@ -71,6 +84,8 @@ def test_report_writes_a_file_per_dataset_and_a_text_panel(tmp_path):
     assert len(lines) == 6 and sum(r["em"] for r in lines) / len(lines) == pytest.approx(1 / 3)
     assert [(tag, step) for tag, _, step in panels] == [("test/dev/trajectories", 5)]
     assert panels[0][1].count("**Question**") == 2
+    assert logged == [({"test/dev/by_type/bridge/em": 0.0, "test/dev/by_type/bridge/searches": 1.0,
+                        "test/dev/by_type/single/em": 1.0, "test/dev/by_type/single/searches": 0.0}, 5)]
 
 
 def test_merge_rank_records_restores_sampler_order():

@@ -7,8 +7,8 @@ reads next: ``<run dir>/predictions/<stage>_<dataset>_step<step>.jsonl`` (one li
 example's ``metadata["type"]`` (the world's ``single`` / ``bridge`` / ``comparison``; null when the data has none)
 and each search is ``{query, titles, ids}`` of the passages shown), ``add_text`` panels
 ``<stage>/<dataset>/trajectories`` on every TensorBoard logger, and, when the examples have a type, EM and
-searches per type on every logger: ``<stage>/<dataset>/by_type/<type>/em``, ``.../searches`` (a policy that
-never searches twice scores 0 on 2-hop questions; the dataset average hides it).
+searches per type, logged through the module (rank 0's numbers, on every rank): ``<stage>/<dataset>/by_type/<type>/em``,
+``.../searches`` (a policy that never searches twice scores 0 on 2-hop questions; the dataset average hides it).
 
 The run dir is ``trainer.log_dir`` (the logger's version folder, or ``default_root_dir`` without a logger).
 The step is the model's training step (``BridgeModule.policy_version``, saved in checkpoints), so
@@ -172,15 +172,16 @@ class QAEval(L.Callback):
                 for record in prediction_records(batch, pl_module.retriever.passage)
             ]
             records = gather_to_rank_zero(local)
+            # rank 0's numbers on every rank, so every rank's callback_metrics agree (a collective, like the gather)
+            typed = trainer.strategy.broadcast(metrics_by_type(records or [], f"{stage}/{name}"), src=0)
+            if typed:  # through the module, so they share the TensorBoard step of val/<dataset>/em
+                pl_module.log_dict(typed, add_dataloader_idx=False)
             if not records:
                 continue
             if self.write_predictions:
                 path = run_dir / "predictions" / f"{stage}_{name}_step{step}.jsonl"
                 _write_jsonl(path, records)
                 self.written.append(path)
-            typed = metrics_by_type(records, f"{stage}/{name}")
-            for logger in trainer.loggers if typed else ():
-                logger.log_metrics(typed, step)
             if self.num_trajectories:
                 text = "\n\n---\n\n".join(map(trajectory_markdown, records[: self.num_trajectories]))
                 for logger in trainer.loggers:

@@ -68,14 +68,15 @@ def test_report_writes_a_file_per_dataset_and_a_text_panel(tmp_path):
     logger = L.pytorch.loggers.TensorBoardLogger(tmp_path / "tb")
     panels, logged = [], []
     logger.experiment.add_text = lambda tag, text, step: panels.append((tag, text, step))
-    logger.log_metrics = lambda metrics, step: logged.append((metrics, step))
     trainer = types.SimpleNamespace(
         log_dir=str(tmp_path), default_root_dir=str(tmp_path), global_step=5, loggers=[logger], sanity_checking=False,
+        strategy=types.SimpleNamespace(broadcast=lambda obj, src: obj),
         datamodule=types.SimpleNamespace(test_sources={"dev": "world/dev", "empty": "world/test"}),
     )
     module = types.SimpleNamespace(
         last_eval_batches={"test/dev": [hand_batch(), hand_batch()]},
         retriever=types.SimpleNamespace(passage=PASSAGES.__getitem__),
+        log_dict=lambda metrics, **options: logged.append(metrics),
     )
     callback = QAEval(num_trajectories=2)
     callback.on_test_epoch_end(trainer, module)
@@ -84,8 +85,8 @@ def test_report_writes_a_file_per_dataset_and_a_text_panel(tmp_path):
     assert len(lines) == 6 and sum(r["em"] for r in lines) / len(lines) == pytest.approx(1 / 3)
     assert [(tag, step) for tag, _, step in panels] == [("test/dev/trajectories", 5)]
     assert panels[0][1].count("**Question**") == 2
-    assert logged == [({"test/dev/by_type/bridge/em": 0.0, "test/dev/by_type/bridge/searches": 1.0,
-                        "test/dev/by_type/single/em": 1.0, "test/dev/by_type/single/searches": 0.0}, 5)]
+    assert logged == [{"test/dev/by_type/bridge/em": 0.0, "test/dev/by_type/bridge/searches": 1.0,
+                        "test/dev/by_type/single/em": 1.0, "test/dev/by_type/single/searches": 0.0}]
 
 
 def test_merge_rank_records_restores_sampler_order():
@@ -169,6 +170,7 @@ def test_ddp_agrees_with_one_process(tmp_path):
     single.trainer.validate(single.model, single.datamodule)
     one = _val_metrics(single.trainer)
     assert {"val/world_dev/em", "val/world_dev/credit/retrieval_miss_rate", "val/world_dev/credit/recall@k"} <= set(one)
+    assert any(key.startswith("val/world_dev/by_type/") for key in one)  # and every rank logged the same per type
     assert ranks[0]["val"] == pytest.approx(one) and ranks[1]["val"] == pytest.approx(one)
     assert ranks[1]["written"] == [] and len(ranks[0]["written"]) == 1  # rank 0 writes, once
     assert Path(ranks[0]["written"][0]).read_text() == qa.written[0].read_text()

@@ -184,8 +184,9 @@ def mean_std(values: list[float], digits: int) -> str:
     values = finite(values)
     if not values:
         return "n/a"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.{digits}f} ± {std:.{digits}f}"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int]:
@@ -198,6 +199,11 @@ def paired_difference(a: dict[int, float], b: dict[int, float]) -> tuple[float, 
         return math.nan, math.nan, 0
     se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
     return statistics.mean(diffs), se, len(diffs)
+
+
+def signed(mean: float, se: float, n: int) -> str:
+    """``+0.107 ± 0.020``, or ``+0.107`` from one seed (no standard error)."""
+    return f"{mean:+.3f}" if n < 2 else f"{mean:+.3f} ± {se:.3f}"
 
 
 # two-sided 95 % quantiles of Student's t by degrees of freedom (seeds − 1); 1.96 beyond the table
@@ -242,13 +248,13 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         "",
         f"Config `{config}`, seeds {' '.join(map(str, args.seeds))}"
         + (f"; **not yet run: {', '.join(missing)}**" if missing else "") + ". "
-        "Test metrics on the config's first test set, whole; mean ± std over seeds (n/a: undefined in every run, "
-        "e.g. no failed trajectory). recall@k: gold passages among those shown to the policy for its own queries "
-        "(`CreditReport`); hop recall@k: the query encoder alone, on the world's own hop queries. Peak memory: each "
-        "run's peak RSS (whole process) by the end of `fit`; time: `trainer.fit` wall time (RL iterations + "
-        "validations; the shared warm start is not included). Dev-EM curve: mean dev EM at each validation, step 0 "
-        "being the warm-started policy every mode of a seed starts from (the `warm start` row: its test metrics, "
-        "untrained retriever).",
+        "Test metrics on the config's first test set, whole; mean ± std over seeds (one number: one seed; n/a: "
+        "undefined in every run, e.g. no failed trajectory). recall@k: gold passages among those shown to the "
+        "policy for its own queries (`CreditReport`); hop recall@k: the query encoder alone, on the world's own "
+        "hop queries. Peak memory: each run's peak RSS (whole process) by the end of `fit`; time: `trainer.fit` "
+        "wall time (RL iterations + validations; the shared warm start is not included). Dev-EM curve: mean dev "
+        "EM at each validation, step 0 being the warm-started policy every mode of a seed starts from (the `warm "
+        "start` row: its test metrics, untrained retriever).",
         "",
         "| mode | seeds | " + " | ".join(f"test {c}" for c in METRICS)
         + " | dev-EM curve | peak RSS (MB) | fit time (s) |",
@@ -273,7 +279,7 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         cells = []
         for c in METRICS:
             mean, se, n = paired_difference(by_seed(runs, c), by_seed(base, c))
-            cells.append("n/a" if n == 0 else f"{mean:+.3f} ± {se:.3f} (n={n})")
+            cells.append(signed(mean, se, n) + f" (n={n})" if n else "n/a")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     lines += ["", "The paper's claims on test EM: reproduced / refuted when the paired 95 % t-interval of the "
               "difference lies above / below 0, else within noise.", "",
@@ -281,7 +287,7 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
     for claim, better, worse in CLAIMS:
         if better in results and worse in results:
             mean, se, n = paired_difference(by_seed(results[better], "EM"), by_seed(results[worse], "EM"))
-            difference = "n/a" if n == 0 else f"{mean:+.3f} ± {se:.3f}"
+            difference = signed(mean, se, n) if n else "n/a"
             lines.append(f"| {claim} | {difference} | {n} | {verdict(mean, se, n)} |")
     return "\n".join(lines) + "\n"
 

@@ -6,7 +6,8 @@ subprocess. Per seed, the config's ``WarmStart`` runs once (``<runs>/warm_seed<s
 after it, the curves' step 0); every variant of that seed then starts from that adapter (``policy.adapter``), so
 the variants differ only in what happens after it. Each (variant, seed) is one ``fit`` + ``test``; it records
 ``val/<dev>/em`` at every validation, the test metrics (``test/<test>/em``, ``f1``; ``CreditReport``'s
-retrieval-miss share and recall@k) and its own peak RSS and fit time, into ``<runs>/<variant>_seed<seed>/result.json``.
+retrieval-miss share and recall@k; ``hop recall@k``) and its own peak RSS and fit time, into
+``<runs>/<variant>_seed<seed>/result.json``.
 Finished runs are not repeated (delete their folder to redo one), so an interrupted comparison resumes.
 
 Outputs: ``<out>/compare_modes.md`` (per mode, mean ± std over seeds, with a ``warm start`` row for the policy every

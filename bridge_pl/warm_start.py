@@ -4,7 +4,9 @@ A demonstration is what a competent agent would have written for a training ques
 one ``<search>`` per hop (the hop queries the data records, e.g. the world's ``hop_queries``), the
 passages the *current* retriever really returns for each query (top-k, so a miss stays a miss), then the
 gold ``<answer>``. Demonstrations are deliberately imperfect: with probability ``noise`` a hop query is
-replaced by the raw question (a weaker query), so RL and the retriever still have something to fix.
+replaced by a weaker one, so RL and the retriever still have something to fix: the raw question, or, when
+the demonstration already searched the raw question, the hop's entity name alone (``metadata["hops"]``).
+Repeating a query teaches nothing but a useless search: it returns the same passages.
 Only the agent's own tokens are trained on (observations are masked, as in RL).
 """
 
@@ -35,8 +37,15 @@ def demonstration_segments(
     ``retrieve(queries) -> list[SearchOutcome]`` is the deterministic (top-k) retrieval of the module.
     """
     cfg = env.config
-    queries = list(example.metadata.get("hop_queries") or [example.question])
-    queries = [example.question if rng.random() < noise else q for q in queries]
+    entities = example.metadata.get("hops") or []
+    queries: list[str] = []
+    for i, query in enumerate(example.metadata.get("hop_queries") or [example.question]):
+        if rng.random() < noise:
+            if example.question not in queries:
+                query = example.question
+            elif i < len(entities):
+                query = entities[i]
+        queries.append(query)
     segments: list[tuple[str, bool]] = []
     outcomes = retrieve(queries)
     for i, (query, outcome) in enumerate(zip(queries, outcomes)):

@@ -23,7 +23,8 @@ class WarmStart(L.Callback):
 
     Args:
         steps: optimizer steps. batch_size: demonstrations per step. lr: AdamW learning rate.
-        noise: probability that a demonstration's hop query is replaced by the raw question.
+        noise: probability that a demonstration's hop query is replaced by a weaker one (the raw question, or
+            the hop's entity alone when the raw question was searched already; ``bridge_pl.warm_start``).
         source: QA source of the demonstrations (default: the datamodule's training set).
         seed: seeds which examples are used and the noise (None, the default: the datamodule's seed).
         evaluate: measure greedy EM on the validation sets before and after the warm start (printed and

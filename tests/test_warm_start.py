@@ -19,7 +19,7 @@ from callbacks.warm_start import WarmStart
 def _example() -> QAExample:
     return QAExample(
         id="q1", question="Where was the founder of Acme born?", golden_answers=["Lindo", "Lindo City"],
-        metadata={"hop_queries": ["founder of Acme", "birthplace of Ada Vell"]},
+        metadata={"hop_queries": ["founder of Acme", "birthplace of Ada Vell"], "hops": ["Acme", "Ada Vell"]},
     )
 
 
@@ -45,10 +45,12 @@ def test_demonstration_follows_the_hops_and_trains_only_agent_text():
     assert segments[-1][0].endswith("<answer> Lindo </answer>")
 
 
-def test_noise_replaces_hop_queries_by_the_question():
+def test_noise_weakens_hop_queries_without_repeating_one():
     _, clean = _segments(noise=0.0)
     _, noisy = _segments(noise=1.0)
-    assert noisy == [[_example().question] * 2] and clean != noisy
+    # the first noisy hop searches the raw question; a second search of it would return the same passages,
+    # so the second noisy hop searches its entity alone
+    assert noisy == [[_example().question, "Ada Vell"]] and clean != noisy
 
 
 def test_tokenized_demonstration_masks_prompt_and_observations():

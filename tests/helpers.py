@@ -1,6 +1,7 @@
 """Shared helpers for the end-to-end tests: build and run the real CLI on the tiny config."""
 
 import contextlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -12,6 +13,15 @@ from bridge_pl.cli import BridgeCLI
 CONFIGS = Path(__file__).parent / "configs"
 TINY = str(CONFIGS / "tiny.yaml")
 STEER = 50.0
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_cli(tmp_path: Path, *overrides: str, configs: tuple[str, ...] = (TINY,)) -> BridgeCLI:

@@ -1,21 +1,11 @@
 """benchmarks/compare_modes.py end to end on the tiny config (one warm start per seed, table, plot, resume) and its
 statistics against hand-computed numbers."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
-from helpers import TINY
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _compare_modes():
-    spec = importlib.util.spec_from_file_location("compare_modes", ROOT / "benchmarks/compare_modes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import TINY, load_benchmark
 
 
 def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path, capsys):
@@ -24,7 +14,7 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
             "--data.test={world_test: world/test}", "--trainer.val_check_interval=1",
             "--trainer.callbacks+=callbacks.WarmStart", "--trainer.callbacks.steps=2",
             "--trainer.callbacks.batch_size=2", "--trainer.callbacks.evaluate=false"]
-    compare_modes = _compare_modes()
+    compare_modes = load_benchmark("compare_modes")
     compare_modes.main(argv)
     table = (tmp_path / "out/compare_modes.md").read_text()
     assert "| frozen |" in table and "| bridge |" in table and "--max-steps 1" in table
@@ -44,7 +34,7 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
 
 
 def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
-    compare_modes = _compare_modes()
+    compare_modes = load_benchmark("compare_modes")
     runs = tmp_path / "runs"
     record = {"variant": "frozen", "seed": 0, "fit_s": 10.0, "dev_curve": [[0, 0.2], [4, 0.3]], "peak_rss_mb": 900.0,
               "EM": 0.25, "F1": 0.3, "retrieval-miss share": 0.5, "recall@k": 0.4, "hop recall@k": 0.6}
@@ -59,7 +49,7 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
 
 
 def test_paired_difference_and_verdict_by_hand():
-    compare_modes = _compare_modes()
+    compare_modes = load_benchmark("compare_modes")
     # differences 0.1, 0.3, 0.2 (seed 3 only in a: unpaired): mean 0.2, sample std 0.1, SE 0.1 / √3
     mean, se, n = compare_modes.paired_difference({0: 0.5, 1: 0.6, 2: 0.4, 3: 0.9}, {0: 0.4, 1: 0.3, 2: 0.2})
     assert (n, round(mean, 12), round(se, 12)) == (3, 0.2, round(0.1 / math.sqrt(3), 12))

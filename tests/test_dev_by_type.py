@@ -1,16 +1,6 @@
 """benchmarks/dev_by_type.py: counting searches that repeat an earlier query of the same trajectory."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _dev_by_type():
-    spec = importlib.util.spec_from_file_location("dev_by_type", ROOT / "benchmarks/dev_by_type.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark
 
 
 def test_repeated_queries_counts_later_searches_per_record():
@@ -20,4 +10,4 @@ def test_repeated_queries_counts_later_searches_per_record():
         {"searches": [{"query": "b"}]},  # no later search; "b" of the record above does not count
         {"searches": []},
     ]
-    assert _dev_by_type().repeated_queries(records) == (1, 3)
+    assert load_benchmark("dev_by_type").repeated_queries(records) == (1, 3)

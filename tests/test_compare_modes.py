@@ -58,4 +58,5 @@ def test_paired_difference_and_verdict_by_hand():
     assert compare_modes.verdict(0.3, 0.05, 3) == "reproduced"  # 0.3 - 4.303 × 0.05 = 0.085 > 0
     assert compare_modes.verdict(-0.3, 0.05, 3) == "refuted"
     assert compare_modes.verdict(0.3, math.nan, 1).startswith("not tested")
+    assert compare_modes.verdict(0.027, 0.0, 2).startswith("not tested")  # two equal differences: SE 0
     assert compare_modes.paired_difference({0: 0.1}, {1: 0.2})[2] == 0

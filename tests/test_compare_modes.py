@@ -26,6 +26,9 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
         assert result["dev_curve"][0] == [0, warm["dev_em"]] and [s for s, _ in result["dev_curve"]] == [0, 1]
         assert 0.0 <= result["EM"] <= 1.0 and result["peak_rss_mb"] > 0
         assert 0.0 <= result["hop recall@k"] <= 1.0
+        outcomes = compare_modes.question_outcomes(tmp_path / f"runs/{variant}_seed0", result)
+        assert outcomes and set(outcomes.values()) <= {0.0, 1.0}  # each test question's EM, for the claims
+        assert abs(sum(outcomes.values()) / len(outcomes) - result["EM"]) < 1e-6
     assert 0.0 <= warm["EM"] <= 1.0 and 0.0 <= warm["hop recall@k"] <= 1.0  # the warm start's own test row
     assert "| warm start | 1 |" in table and "| bridge > frozen |" in table and "not tested" in table
     capsys.readouterr()
@@ -53,10 +56,32 @@ def test_paired_difference_and_verdict_by_hand():
     # differences 0.1, 0.3, 0.2 (seed 3 only in a: unpaired): mean 0.2, sample std 0.1, SE 0.1 / √3
     mean, se, n = compare_modes.paired_difference({0: 0.5, 1: 0.6, 2: 0.4, 3: 0.9}, {0: 0.4, 1: 0.3, 2: 0.2})
     assert (n, round(mean, 12), round(se, 12)) == (3, 0.2, round(0.1 / math.sqrt(3), 12))
-    # 95 % t-interval with 2 degrees of freedom: 0.2 ± 4.303 × 0.0577 = 0.2 ± 0.248 contains 0
-    assert compare_modes.verdict(mean, se, n) == "within noise"
-    assert compare_modes.verdict(0.3, 0.05, 3) == "reproduced"  # 0.3 - 4.303 × 0.05 = 0.085 > 0
-    assert compare_modes.verdict(-0.3, 0.05, 3) == "refuted"
-    assert compare_modes.verdict(0.3, math.nan, 1).startswith("not tested")
-    assert compare_modes.verdict(0.027, 0.0, 2).startswith("not tested")  # two equal differences: SE 0
+    # no question error: 0.2 ± 4.303 × 0.0577 = 0.2 ± 0.248 contains 0
+    low, high = compare_modes.claim_interval(mean, se, 0.0, n)
+    assert (round(low, 3), round(high, 3)) == (-0.048, 0.448)
+    assert compare_modes.verdict((low, high), n) == "within noise"
+    # 0.3 ± 4.303 × √(0.03² + 0.04²) = 0.3 ± 4.303 × 0.05
+    assert compare_modes.verdict(compare_modes.claim_interval(0.3, 0.03, 0.04, 3), 3) == "reproduced"
+    assert compare_modes.verdict(compare_modes.claim_interval(-0.3, 0.03, 0.04, 3), 3) == "refuted"
+    assert compare_modes.verdict(compare_modes.claim_interval(0.3, math.nan, 0.04, 1), 1).startswith("not tested")
+    assert compare_modes.verdict((0.02, 0.03), 2).startswith("not tested")  # the issue's minimum is 3 seeds
+    assert compare_modes.verdict((math.nan, math.nan), 3) == "not tested (no per-question outcomes)"
     assert compare_modes.paired_difference({0: 0.1}, {1: 0.2})[2] == 0
+
+
+def test_equal_seed_differences_still_carry_the_question_sampling_error():
+    """Three seeds that differ by the same 1 of 4 questions: SE over seeds 0, but the four questions are a sample."""
+    compare_modes = load_benchmark("compare_modes")
+    a = {s: {"q1": 1.0, "q2": 1.0, "q3": 0.0, "q4": 0.0} for s in range(3)}
+    b = {s: {"q1": 1.0, "q2": 0.0, "q3": 0.0, "q4": 0.0, "extra": 1.0} for s in range(3)}  # "extra": unpaired
+    mean, se, n = compare_modes.paired_difference({s: 0.5 for s in a}, {s: 0.25 for s in b})
+    assert (mean, se, n) == (0.25, 0.0, 3)
+    # per-question differences 0, 1, 0, 0: sample std 0.5, over √4
+    se_questions = compare_modes.question_se(a, b)
+    assert se_questions == 0.25
+    assert compare_modes.verdict(compare_modes.claim_interval(mean, se, se_questions, n), n) == "within noise"
+    # seeds disagree per question: each question's difference is averaged over the seeds first
+    a[1]["q3"] = 1.0  # seed 1 also gains q3: per question 0, 1, 1/3, 0
+    expected = math.sqrt(sum((d - 1 / 3) ** 2 for d in (0, 1, 1 / 3, 0)) / 3) / 2
+    assert math.isclose(compare_modes.question_se(a, b), expected)
+    assert math.isnan(compare_modes.question_se({0: {}}, b))  # a run without per-question outcomes

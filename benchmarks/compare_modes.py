@@ -217,8 +217,15 @@ def signed(mean: float, se: float, n: int) -> str:
     return f"{mean:+.3f}" if n < 2 else f"{mean:+.3f} ± {se:.3f}"
 
 
-# two-sided 95 % quantiles of Student's t by degrees of freedom (seeds − 1); 1.96 beyond the table
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# two-sided 95 % quantiles of Student's t by degrees of freedom; between entries the lower df's (wider) is used
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+Z95 = 1.960  # the limit for infinite degrees of freedom, used beyond the table
+
+
+def t95(df: float) -> float:
+    """Two-sided 95 % Student-t quantile for ``df`` (≥ 1) degrees of freedom, rounded down to a tabulated df."""
+    return T95[max(k for k in T95 if k <= df)] if df < max(T95) else Z95
 
 
 # seeds a verdict needs (the issue's minimum); with two, the t-interval is too wide to decide anything honestly
@@ -234,32 +241,39 @@ def question_outcomes(folder: Path, run: dict) -> dict[str, float]:
         return {record["id"]: float(record["em"]) for record in map(json.loads, f)}
 
 
-def question_se(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> float:
-    """Standard error of the mean paired difference ``a − b`` from the sample of test questions.
+def question_se(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> tuple[float, int]:
+    """Standard error of the mean paired difference ``a − b`` from the sample of test questions, and that sample's
+    size.
 
     ``a``, ``b``: per seed, the outcome per question id. Each question's difference is averaged over the seeds
     both have, then its sample std over the questions every such seed has is divided by √questions. Every seed
     tests the same questions, so this part of the error is shared by the seeds and the seed-level SE cannot see
-    it. nan with fewer than two questions.
+    it. (nan, questions) with fewer than two questions.
     """
     seeds = sorted(s for s in a.keys() & b.keys() if a[s] and b[s])
-    if not seeds:
-        return math.nan
-    ids = sorted(set.intersection(*(set(a[s]) & set(b[s]) for s in seeds)))
+    ids = sorted(set.intersection(*(set(a[s]) & set(b[s]) for s in seeds))) if seeds else []
     if len(ids) < 2:
-        return math.nan
+        return math.nan, len(ids)
     per_question = [statistics.mean(a[s][q] - b[s][q] for s in seeds) for q in ids]
-    return statistics.stdev(per_question) / math.sqrt(len(ids))
+    return statistics.stdev(per_question) / math.sqrt(len(ids)), len(ids)
 
 
-def claim_interval(mean: float, se_seeds: float, se_questions: float, n: int) -> tuple[float, float]:
-    """95 % interval of a paired difference over ``n`` seeds: mean ± t(n − 1) · √(se_seeds² + se_questions²).
+def claim_interval(mean: float, se_seeds: float, seeds: int, se_questions: float,
+                   questions: int) -> tuple[float, float]:
+    """95 % interval of a paired difference: mean ± t(df) · √(se_seeds² + se_questions²).
 
-    Training noise (seeds) and the finite test set (questions) both blur a difference; adding the two variances
-    counts the question-by-seed noise twice, so the interval errs wide. t takes the seeds' degrees of freedom, also
-    on the wide side.
+    Training noise (over ``seeds`` seeds) and the finite test set (``questions`` questions, the same in every seed)
+    both blur a difference, so their variances add; this counts the question-by-seed noise twice, so the interval
+    errs wide. df is Welch–Satterthwaite's for the sum: near seeds − 1 when the seeds' part dominates, near
+    questions − 1 when the questions' part does.
     """
-    half = T95.get(n - 1, 1.96) * math.sqrt(se_seeds**2 + se_questions**2)
+    if seeds < 2 or questions < 2 or math.isnan(se_seeds) or math.isnan(se_questions):
+        return math.nan, math.nan
+    seed_var, question_var = se_seeds**2, se_questions**2
+    if seed_var + question_var == 0:
+        return mean, mean
+    df = (seed_var + question_var) ** 2 / (seed_var**2 / (seeds - 1) + question_var**2 / (questions - 1))
+    half = t95(df) * math.sqrt(seed_var + question_var)
     return mean - half, mean + half
 
 
@@ -337,18 +351,18 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
             cells.append(signed(mean, se, n) + f" (n={n})" if n else "n/a")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     lines += ["", "The paper's claims on test EM: reproduced / refuted when the 95 % interval of the paired difference "
-              "lies above / below 0, else within noise. The interval is mean ± t(seeds − 1) · √(SE over seeds² + SE "
-              "over questions²): every seed tests the same questions, so the test set's own sampling error is added "
-              "to the seeds' (`claim_interval`).", "",
+              "lies above / below 0, else within noise. The interval is mean ± t · √(SE over seeds² + SE over "
+              "questions²), t with Welch–Satterthwaite's degrees of freedom: every seed tests the same questions, so "
+              "the test set's own sampling error is added to the seeds' (`claim_interval`).", "",
               "| claim | difference (mean ± SE over seeds) | SE over questions | 95 % interval | seeds | verdict |",
               "|---|---|---|---|---|---|"]
     for claim, better, worse in CLAIMS:
         if better in results and worse in results:
             mean, se, n = paired_difference(by_seed(results[better], "EM"), by_seed(results[worse], "EM"))
-            se_questions = question_se(*({r["seed"]: question_outcomes(run_dir(args, mode, r["seed"]), r)
-                                          for r in results[mode]} for mode in (better, worse)))
-            interval = claim_interval(mean, se, se_questions, n)
-            cells = [signed(mean, se, n) if n else "n/a", f"{se_questions:.3f}",
+            se_questions, questions = question_se(*({r["seed"]: question_outcomes(run_dir(args, mode, r["seed"]), r)
+                                                     for r in results[mode]} for mode in (better, worse)))
+            interval = claim_interval(mean, se, n, se_questions, questions)
+            cells = [signed(mean, se, n) if n else "n/a", "n/a" if math.isnan(se_questions) else f"{se_questions:.3f}",
                      "n/a" if math.isnan(interval[0]) else f"[{interval[0]:+.3f}, {interval[1]:+.3f}]"]
             lines.append(f"| {claim} | " + " | ".join(cells) + f" | {n} | {verdict(interval, n)} |")
     return "\n".join(lines) + "\n"

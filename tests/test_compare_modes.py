@@ -56,17 +56,24 @@ def test_paired_difference_and_verdict_by_hand():
     # differences 0.1, 0.3, 0.2 (seed 3 only in a: unpaired): mean 0.2, sample std 0.1, SE 0.1 / √3
     mean, se, n = compare_modes.paired_difference({0: 0.5, 1: 0.6, 2: 0.4, 3: 0.9}, {0: 0.4, 1: 0.3, 2: 0.2})
     assert (n, round(mean, 12), round(se, 12)) == (3, 0.2, round(0.1 / math.sqrt(3), 12))
-    # no question error: 0.2 ± 4.303 × 0.0577 = 0.2 ± 0.248 contains 0
-    low, high = compare_modes.claim_interval(mean, se, 0.0, n)
+    # no question error: df = seeds − 1 = 2, 0.2 ± 4.303 × 0.0577 = 0.2 ± 0.248 contains 0
+    low, high = compare_modes.claim_interval(mean, se, n, 0.0, 150)
     assert (round(low, 3), round(high, 3)) == (-0.048, 0.448)
     assert compare_modes.verdict((low, high), n) == "within noise"
-    # 0.3 ± 4.303 × √(0.03² + 0.04²) = 0.3 ± 4.303 × 0.05
-    assert compare_modes.verdict(compare_modes.claim_interval(0.3, 0.03, 0.04, 3), 3) == "reproduced"
-    assert compare_modes.verdict(compare_modes.claim_interval(-0.3, 0.03, 0.04, 3), 3) == "refuted"
-    assert compare_modes.verdict(compare_modes.claim_interval(0.3, math.nan, 0.04, 1), 1).startswith("not tested")
+    # +0.11 in 3 seeds, SE 0.01 over seeds, 0.03 over 150 questions: Welch–Satterthwaite
+    # df = (1e-4 + 9e-4)² / (1e-8 / 2 + 8.1e-7 / 149) = 95.8 → t of df 60 = 2.000; 0.11 ± 2 × √1e-3 = 0.11 ± 0.063.
+    # With the seeds' df (t = 4.303) the interval would be ± 0.136 and contain 0.
+    low, high = compare_modes.claim_interval(0.11, 0.01, 3, 0.03, 150)
+    assert (round(low, 4), round(high, 4)) == (0.0468, 0.1732)
+    assert compare_modes.verdict((low, high), 3) == "reproduced"
+    assert compare_modes.verdict(compare_modes.claim_interval(-0.11, 0.01, 3, 0.03, 150), 3) == "refuted"
+    assert compare_modes.verdict(compare_modes.claim_interval(0.3, math.nan, 1, 0.04, 150), 1).startswith("not tested")
     assert compare_modes.verdict((0.02, 0.03), 2).startswith("not tested")  # the issue's minimum is 3 seeds
-    assert compare_modes.verdict((math.nan, math.nan), 3) == "not tested (no per-question outcomes)"
+    assert compare_modes.verdict(compare_modes.claim_interval(0.1, 0.01, 3, math.nan, 0), 3) == (
+        "not tested (no per-question outcomes)")
+    assert compare_modes.claim_interval(0.0, 0.0, 3, 0.0, 150) == (0.0, 0.0)  # identical modes
     assert compare_modes.paired_difference({0: 0.1}, {1: 0.2})[2] == 0
+    assert [compare_modes.t95(df) for df in (1, 2, 2.7, 11, 95.8, 500)] == [12.706, 4.303, 4.303, 2.228, 2.0, 1.96]
 
 
 def test_equal_seed_differences_still_carry_the_question_sampling_error():
@@ -76,12 +83,13 @@ def test_equal_seed_differences_still_carry_the_question_sampling_error():
     b = {s: {"q1": 1.0, "q2": 0.0, "q3": 0.0, "q4": 0.0, "extra": 1.0} for s in range(3)}  # "extra": unpaired
     mean, se, n = compare_modes.paired_difference({s: 0.5 for s in a}, {s: 0.25 for s in b})
     assert (mean, se, n) == (0.25, 0.0, 3)
-    # per-question differences 0, 1, 0, 0: sample std 0.5, over √4
-    se_questions = compare_modes.question_se(a, b)
-    assert se_questions == 0.25
-    assert compare_modes.verdict(compare_modes.claim_interval(mean, se, se_questions, n), n) == "within noise"
+    # per-question differences 0, 1, 0, 0: sample std 0.5, over √4; df = questions − 1 = 3, t = 3.182
+    assert compare_modes.question_se(a, b) == (0.25, 4)
+    low, high = compare_modes.claim_interval(mean, se, n, 0.25, 4)
+    assert (round(low, 4), round(high, 4)) == (-0.5455, 1.0455)
+    assert compare_modes.verdict((low, high), n) == "within noise"
     # seeds disagree per question: each question's difference is averaged over the seeds first
     a[1]["q3"] = 1.0  # seed 1 also gains q3: per question 0, 1, 1/3, 0
     expected = math.sqrt(sum((d - 1 / 3) ** 2 for d in (0, 1, 1 / 3, 0)) / 3) / 2
-    assert math.isclose(compare_modes.question_se(a, b), expected)
-    assert math.isnan(compare_modes.question_se({0: {}}, b))  # a run without per-question outcomes
+    assert math.isclose(compare_modes.question_se(a, b)[0], expected)
+    assert math.isnan(compare_modes.question_se({0: {}}, b)[0])  # a run without per-question outcomes

@@ -68,7 +68,7 @@ class ParamUpdate:
     Args:
         optimizer: built over the parameters this update owns.
         backward: how to backpropagate a loss (Lightning's ``manual_backward`` in the module).
-        clip_norm: max global grad norm for this optimizer's parameters (None: no clipping).
+        clip_norm: max global norm of this optimizer's gradients times the step's ``lr_scale`` (None: no clipping).
         on_step: called after every step (e.g. bump the retriever version).
         name: what this update trains (``policy``, ``phi``, ``psi``), for the non-finite report.
         sync_grads: called with the parameters after the backward, before clipping (e.g. averaging the gradients
@@ -124,12 +124,17 @@ class ParamUpdate:
     def apply_grads(self, lr_scale: float = 1.0) -> float:
         """Clip and step on gradients already in ``.grad``; returns the grad norm before clipping.
 
+        ``clip_norm`` bounds the norm of the scaled gradient (``lr_scale`` × grad), so the threshold on the raw
+        gradient is ``clip_norm / lr_scale``: scaling the learning rate and clipping commute. Clipping the raw
+        gradient instead would undo the scaling whenever the clip is active: BRIDGE's φ step, lr/(1+λ) on a
+        gradient about (1+λ) times ψ's, would move φ (1+λ) times less far than ψ (docs/method.md 4.3).
         A non-finite norm (a NaN or inf anywhere in the gradients) skips the step (class docstring).
         """
         if self.sync_grads is not None:
             self.sync_grads(self.params)
         grads = [p for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(grads, self.clip_norm or float("inf")) if grads else torch.zeros(())
+        threshold = self.clip_norm / lr_scale if self.clip_norm else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(grads, threshold) if grads else torch.zeros(())
         norm = full_tensor(norm)  # FSDP2: the norm of sharded gradients is a DTensor
         if not torch.isfinite(norm):
             self._skip("grad")

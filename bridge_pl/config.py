@@ -128,7 +128,8 @@ class SolverConfig(_Checked):
         neumann_steps: terms of the Neumann series for the inverse Hessian-vector product (``implicit``).
         neumann_lr: the Neumann series' step η (``implicit``); needs η < 2 / the top Hessian eigenvalue.
         grad_clip_policy: max global grad norm of the policy (and critic) step; null: no clipping.
-        grad_clip_retriever: max global grad norm of each φ / ψ step; null: no clipping.
+        grad_clip_retriever: max global grad norm of each φ / ψ step, after the step's learning-rate scaling
+            (φ's 1/(1+λ) in ``bridge``: the clip bounds the step, so φ and ψ move alike); null: no clipping.
         max_nonfinite_skips: an update whose loss or gradient is not finite is skipped (weights, optimizer state
             and λ untouched; warned, logged as ``nonfinite/skipped``); this many iterations in a row with such a
             skip stop the run with ``NonFiniteTrainingError``.

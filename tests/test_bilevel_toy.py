@@ -99,3 +99,27 @@ def test_bridge_hypergradient_error_is_order_one_over_lambda(lam):
     error = torch.linalg.norm(grad - HYPERGRAD_AT_0)
     assert error * lam < 2.5  # O(1/λ): error·λ → 2.12 as λ grows
     assert error > 0
+
+
+class NoUpperRetrieverToy(ToyProblem):
+    """The toy with F blind to y: φ's own objective is then λG, so φ should track ψ and the coupling stay 0."""
+
+    def retriever_upper_loss(self):
+        return 0.0 * self.y.sum()
+
+
+@pytest.mark.parametrize("lam", [1.0, 9.0])
+def test_clipped_phi_step_moves_as_far_as_psi(lam):
+    """With the retriever clip active (gradients ≫ the clip, as in the demo), φ's step lr/(1+λ) on λ∇G must move φ
+    as far as ψ's lr on ∇G. Clipping the raw gradient would shrink φ's step (1+λ)-fold, open a φ−ψ gap that F
+    did not cause, and the coupling λ(∇θG(θ,φ) − ∇θG(θ,ψ)) would push θ by an optimizer artefact."""
+    toy = NoUpperRetrieverToy()
+    with torch.no_grad():
+        toy.x.copy_(torch.tensor([30.0, -20.0], dtype=torch.float64))  # ‖∇_y G‖ ≈ 36 at y = 0, clip 1
+    solver = BridgeSolver(phi_steps=3, psi_steps=3, lam_init=lam, lam_max=lam)
+    clipped = [ParamUpdate(torch.optim.SGD([p], lr=0.1), clip_norm=1.0) for p in (toy.y, toy.z)]
+    solver.inner_steps(toy, Updates(policy=sgd(toy.x, 0.0), phi=clipped[0], psi=clipped[1]))
+    assert torch.linalg.norm(toy.z.detach()) == pytest.approx(0.3)  # three clipped steps of lr × clip
+    torch.testing.assert_close(toy.y, toy.z)
+    (coupling,) = torch.autograd.grad(toy.coupling_loss(lam), toy.x)
+    assert torch.linalg.norm(coupling) < 1e-6  # rounding; clipping the raw gradient: 0.20 (λ 1), 3.2 (λ 9)

@@ -101,7 +101,8 @@ def grpo_advantages(
         weights: ``[B]`` positive importance weights, or None (all 1: plain GRPO).
 
     Returns:
-        ``[B]`` advantages. A group of one sample has no baseline and gets 0.
+        ``[B]`` advantages. A group of one sample has no baseline and gets 0, as does a group whose scores are all
+        equal (exactly 0, whatever the weights).
     """
     if scores.dim() != 1 or group_ids.shape != scores.shape:
         raise ValueError(
@@ -132,7 +133,11 @@ def grpo_advantages(
         sq = torch.zeros_like(count).index_add_(0, group, centered * centered)
         std = (sq[group] / (n - 1).clamp(min=1)).sqrt()
         advantages = advantages / (std + eps)
-    return torch.where(n > 1, advantages, torch.zeros_like(advantages))
+    # A group whose scores are all equal has no signal: exactly 0, not the rounding of R − b_g (b_g's weighted sum
+    # is inexact for rewards like 0.1) divided by eps, which gave a whole group a same-signed push of ~0.01.
+    high = scores.new_full((n_groups,), -torch.inf).scatter_reduce(0, group, scores, "amax")
+    low = scores.new_full((n_groups,), torch.inf).scatter_reduce(0, group, scores, "amin")
+    return torch.where((high > low)[group], advantages, torch.zeros_like(advantages))
 
 
 def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

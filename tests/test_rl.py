@@ -70,6 +70,18 @@ def test_importance_weighted_grpo_advantages_hand_computed():
     assert torch.equal(rl.grpo_advantages(scores, groups, weights=torch.ones(5)), rl.grpo_advantages(scores, groups))
 
 
+def test_a_group_of_equal_scores_gets_exactly_zero_advantage_whatever_the_weights():
+    """Σ w R / Σ w rounds away from R for rewards like 0.1 and 0.15 (these weights: by 1 ulp), and the old code
+    divided that rounding by the group's std + eps (0 + 1e-6): both trajectories got ~-0.015, a same-signed push
+    from no signal at all (found as a 1- vs 2-process disagreement of the bridge θ loss)."""
+    scores = torch.tensor([0.15, 0.15, 0.1, 0.1, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    weights = torch.tensor([0.9985026717185974, 1.1072887182235718, 0.9960373640060425, 1.1585779190063477, 1.2, 0.8])
+    advantages = rl.grpo_advantages(scores, groups, weights=weights)
+    assert advantages[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert advantages[4] > 0 > advantages[5]  # a group with spread keeps its signal
+
+
 def test_grpo_advantages_interleaved_arbitrary_ids():
     scores = torch.tensor([2.0, 1.0, 4.0, 5.0])
     groups = torch.tensor([7, -3, 7, -3])

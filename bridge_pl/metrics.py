@@ -132,3 +132,20 @@ class QAMetrics(Metric):
             this._defaults[name] = this._defaults[name].to(this.device)
             setattr(this, name, getattr(this, name).to(this.device))
         return this
+
+
+class StepLogKeys:
+    """Every key the training steps have logged so far, to log nan for those a step leaves out.
+
+    Lightning keeps a step-level logged value until the epoch ends and sends it to the logger again at every later
+    step that does not log the key: an iteration that skips its θ step (no reward variance) would show the previous
+    iteration's ``loss/policy`` and ``grad_norm/policy`` in TensorBoard. nan marks the gap instead.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def fill(self, logs: dict[str, float]) -> dict[str, float]:
+        """``logs`` plus nan for every key logged at an earlier step and missing from it."""
+        self.seen.update(logs)
+        return {**dict.fromkeys(sorted(self.seen - logs.keys()), float("nan")), **logs}

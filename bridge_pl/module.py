@@ -34,7 +34,7 @@ from bridge_pl.distributed import (
     shard_root,
     this_ranks,
 )
-from bridge_pl.metrics import QAMetrics
+from bridge_pl.metrics import QAMetrics, StepLogKeys
 from bridge_pl.policy import Policy
 from bridge_pl.problem import RLProblem
 from bridge_pl.retrieval.base import Passage, Retriever
@@ -113,6 +113,7 @@ class BridgeModule(L.LightningModule):
         self.register_buffer("policy_version", torch.zeros((), dtype=torch.long))
         self.metrics = nn.ModuleDict()  # "<stage>/<dataset>" -> QAMetrics, created on first use
         self.last_eval_batches: dict[str, list[RolloutBatch]] = {}
+        self._train_log_keys = StepLogKeys()
 
     # ---- setup ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -289,7 +290,7 @@ class BridgeModule(L.LightningModule):
             }
         )
         logs.update({f"rollout/{name}": value for name, value in batch.sampling.items()})
-        self.log_dict(logs, batch_size=batch.batch_size)
+        self.log_dict(self._train_log_keys.fill(logs), batch_size=batch.batch_size)
         self.log("reward", logs["train/reward"], prog_bar=True, logger=False, batch_size=batch.batch_size)
 
     def _guard_nonfinite(self, bad: dict[str, list[str]]) -> float:

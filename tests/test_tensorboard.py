@@ -2,13 +2,17 @@
 
 import contextlib
 import io
+import math
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
 from helpers import TINY
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from bridge_pl.cli import BridgeCLI
+from bridge_pl.metrics import StepLogKeys
 from callbacks.progress import BridgeProgressBar
 
 
@@ -68,3 +72,34 @@ def test_progress_bar_shows_reward_and_val_em(tiny_run):
     assert BridgeProgressBar(metrics=["credit/failure_rate"]).get_metrics(cli.trainer, cli.model) == {
         "credit/failure_rate": float(cli.trainer.callback_metrics["credit/failure_rate"])
     }
+
+
+class _SometimesLogs(L.LightningModule):
+    """Logs ``loss/policy`` at its first two steps only, as an iteration that skips its θ step leaves it out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.keys = StepLogKeys()
+
+    def training_step(self, batch, batch_idx):
+        logs = {"train/reward": float(batch_idx)} | ({"loss/policy": 100.0 + batch_idx} if batch_idx < 2 else {})
+        self.log_dict(self.keys.fill(logs))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.zeros(4, 1))
+
+
+def test_a_key_a_step_leaves_out_shows_a_gap_not_the_last_value(tmp_path):
+    """Without ``StepLogKeys`` Lightning re-sends ``loss/policy`` = 101 at steps 2 and 3 (its last value)."""
+    trainer = L.Trainer(max_epochs=1, default_root_dir=tmp_path, log_every_n_steps=1, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(_SometimesLogs())
+    events, _ = event_tags(Path(trainer.logger.log_dir))
+    values = [e.value for e in events.Scalars("loss/policy")]
+    assert values[:2] == [100.0, 101.0] and len(values) == 4 and all(math.isnan(v) for v in values[2:])
+    assert [e.value for e in events.Scalars("train/reward")] == [0.0, 1.0, 2.0, 3.0]

@@ -228,7 +228,8 @@ def t95(df: float) -> float:
     return T95[max(k for k in T95 if k <= df)] if df < max(T95) else Z95
 
 
-# seeds a verdict needs (the minimum); with two, the t-interval is too wide to decide anything honestly
+# seeds a verdict needs, the minimum: fewer cannot estimate how training's randomness spreads a result (two
+# seeds that differ by the same questions give an SE over seeds of 0)
 MIN_SEEDS = 3
 
 

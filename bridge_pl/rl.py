@@ -137,7 +137,8 @@ def grpo_advantages(
     # is inexact for rewards like 0.1) divided by eps, which gave a whole group a same-signed push of ~0.01.
     high = scores.new_full((n_groups,), -torch.inf).scatter_reduce(0, group, scores, "amax")
     low = scores.new_full((n_groups,), torch.inf).scatter_reduce(0, group, scores, "amin")
-    return torch.where((high > low)[group], advantages, torch.zeros_like(advantages))
+    # (a group of one sample is such a group; a NaN score compares unequal and stays NaN, for the non-finite guard)
+    return torch.where((high == low)[group], torch.zeros_like(advantages), advantages)
 
 
 def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,8 @@ def test_a_group_of_equal_scores_gets_exactly_zero_advantage_whatever_the_weight
     advantages = rl.grpo_advantages(scores, groups, weights=weights)
     assert advantages[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
     assert advantages[4] > 0 > advantages[5]  # a group with spread keeps its signal
+    nan = rl.grpo_advantages(torch.tensor([float("nan"), 1.0]), torch.tensor([0, 0]), weights=torch.ones(2))
+    assert nan.isnan().all()  # a broken reward still reaches the non-finite guard, not a silent 0
 
 
 def test_grpo_advantages_interleaved_arbitrary_ids():

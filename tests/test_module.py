@@ -105,8 +105,8 @@ def test_resume_gives_the_same_next_steps(tmp_path):
     fit_tiny(tmp_path / "resumed", *common, "--trainer.max_steps=4", callbacks=(resumed,),
              ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert all(step[0] != 0 and step[2] != 0 for step in full.losses)  # real policy and retriever losses
-    for got, want in zip(first.losses + resumed.losses, full.losses, strict=True):
-        assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
+    for got, want in zip(first.losses + resumed.losses, full.losses, strict=True):  # nan: no θ step at that step
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6, nan_ok=True)
 
 
 def test_ppo_trains_the_value_head(tmp_path):

@@ -139,7 +139,8 @@ class StepLogKeys:
 
     Lightning keeps a step-level logged value until the epoch ends and sends it to the logger again at every later
     step that does not log the key: an iteration that skips its θ step (no reward variance) would show the previous
-    iteration's ``loss/policy`` and ``grad_norm/policy`` in TensorBoard. nan marks the gap instead.
+    iteration's ``loss/policy`` and ``grad_norm/policy`` in TensorBoard. nan marks the gap instead. (A resumed run
+    starts with an empty set and a fresh Lightning record, so a key its first steps leave out is simply absent.)
     """
 
     def __init__(self) -> None:

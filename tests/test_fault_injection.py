@@ -79,5 +79,6 @@ def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, uni
     assert sorted(got_logs) == sorted(want_logs) == [1, 2, 3, 4]
     for step, logged in want_logs.items():
         assert got_logs[step].keys() == logged.keys()
-        assert [got_logs[step][k] for k in logged] == pytest.approx(list(logged.values()), rel=1e-4, abs=1e-6)
+        assert [got_logs[step][k] for k in logged] == pytest.approx(list(logged.values()), rel=1e-4, abs=1e-6,
+                                                                    nan_ok=True)  # nan: no θ step
     assert any(v != 0 for row in want_logs.values() for k, v in row.items() if k.startswith("grad_norm/phi"))

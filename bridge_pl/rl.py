@@ -135,10 +135,16 @@ def grpo_advantages(
         advantages = advantages / (std + eps)
     # A group whose scores are all equal has no signal: exactly 0, not the rounding of R − b_g (b_g's weighted sum
     # is inexact for rewards like 0.1) divided by eps, which gave a whole group a same-signed push of ~0.01.
-    high = scores.new_full((n_groups,), -torch.inf).scatter_reduce(0, group, scores, "amax")
-    low = scores.new_full((n_groups,), torch.inf).scatter_reduce(0, group, scores, "amin")
+    low, high = _group_range(scores, group, n_groups)
     # (a group of one sample is such a group; a NaN score compares unequal and stays NaN, for the non-finite guard)
     return torch.where((high == low)[group], torch.zeros_like(advantages), advantages)
+
+
+def _group_range(values: torch.Tensor, group: torch.Tensor, n_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group min and max ``[G]`` of ``values`` ``[B]`` (``group``: indices 0..G-1); NaN propagates."""
+    low = values.new_full((n_groups,), torch.inf).scatter_reduce(0, group, values, "amin")
+    high = values.new_full((n_groups,), -torch.inf).scatter_reduce(0, group, values, "amax")
+    return low, high
 
 
 def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -151,8 +157,7 @@ def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.T
     if n_groups == 0:
         return scores.new_zeros((), dtype=torch.float32)
     values = scores.float()
-    low = torch.full((n_groups,), float("inf"), device=values.device).scatter_reduce(0, group, values, "amin")
-    high = torch.full((n_groups,), float("-inf"), device=values.device).scatter_reduce(0, group, values, "amax")
+    low, high = _group_range(values, group, n_groups)
     counted = torch.zeros(n_groups, device=values.device).index_add_(0, group, torch.ones_like(values)) > 1
     return ((high > low) & counted).float().sum() / counted.float().sum().clamp(min=1)
 

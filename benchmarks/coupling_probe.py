@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,11 +28,13 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from bridge_pl.bilevel import BilevelProblem, BridgeSolver, Updates
 from bridge_pl.cli import BridgeCLI
+from bridge_pl.problem import RLProblem
 from callbacks.landscape import LossLandscape
 from callbacks.warm_start import WarmStart
 
 ROOT = Path(__file__).resolve().parents[1]
-COLUMNS = ("coupling_to_rl", "cos_coupling_rl", "cos_step_rl", "sign_flips")
+COLUMNS = ("coupling_to_rl", "cos_coupling_rl", "cos_step_rl", "sign_flips", "coupling_noise_share",
+           "coupling_mean_to_rl")
 
 
 def split_stats(rl_grad: torch.Tensor, coupling_grad: torch.Tensor) -> dict[str, float]:
@@ -52,6 +56,30 @@ def split_stats(rl_grad: torch.Tensor, coupling_grad: torch.Tensor) -> dict[str,
         "cos_step_rl": cos(total, rl_grad),
         "sign_flips": float((total.sign() != rl_grad.sign())[moving].float().mean()) if moving.any() else 0.0,
     }
+
+
+def search_noise_stats(search_grads: torch.Tensor, rl_grad: torch.Tensor) -> dict[str, float]:
+    """How much of the coupling gradient is sampling noise of the credit searches.
+
+    Args:
+        search_grads: ``[n, P]`` each credit search's share g_s of the coupling gradient (they sum to g_C; a
+            search without weight gives a zero row and still counts in n).
+        rl_grad: ``[P]`` g_F.
+
+    With h_s = n g_s, one search's estimate of the coupling, g_C is their mean and V = Σ_s ‖h_s − g_C‖² / (n − 1)
+    estimates their variance (trace), so V / n is the part of E‖g_C‖² that the draw of n searches adds. Returns
+    ``coupling_noise_share`` (V / n) / ‖g_C‖² (near 1 or above: g_C is mostly noise at this n; 0 with no coupling
+    or a single search, where V cannot be estimated)
+    and ``coupling_mean_to_rl`` √max(0, ‖g_C‖² − V / n) / ‖g_F‖, the estimated norm of the noise-free coupling
+    relative to g_F. Searches of one trajectory share its prompt, so they are not independent draws; V is a
+    rough estimate.
+    """
+    n = search_grads.shape[0]
+    coupling = search_grads.sum(0)
+    total = float(coupling.square().sum())
+    noise = float((n * search_grads - coupling).square().sum()) / (n - 1) / n if n > 1 else 0.0
+    return {"coupling_noise_share": noise / total if total > 0 else 0.0,
+            "coupling_mean_to_rl": math.sqrt(max(0.0, total - noise)) / max(float(rl_grad.norm()), 1e-30)}
 
 
 def flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
@@ -76,8 +104,23 @@ class ProbedBridgeSolver(BridgeSolver):
         lam = self.lam.value
         rl_grad = flat_grad(problem.policy_loss(), params)
         coupling_grad = flat_grad(problem.coupling_loss(lam), params)
-        self.records.append({"lambda": lam, **split_stats(rl_grad, coupling_grad)})
+        search_grads = torch.stack(list(per_search_coupling_grads(problem, lam, params)))
+        # the per-search shares must add up to g_C (recorded as a check, not shown in the table)
+        sum_error = float((search_grads.sum(0) - coupling_grad).norm() / coupling_grad.norm().clamp(min=1e-30))
+        self.records.append({"lambda": lam, **split_stats(rl_grad, coupling_grad),
+                             **search_noise_stats(search_grads, rl_grad), "search_sum_error": sum_error})
         return logs
+
+
+def per_search_coupling_grads(problem: RLProblem, lam: float, params: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``[P]`` per credit search: its share of the coupling gradient (one backward per search; they sum to g_C)."""
+    weights = problem.coupling_search_weights(lam)
+    if weights is None:
+        return
+    sequences = problem.batch.credit_sequences
+    for s, row in enumerate(weights):
+        scores = problem.policy.branch_loglik([sequences[s]], problem.cfg.micro_batch_tokens)[0]
+        yield flat_grad((row * scores).sum(), params)
 
 
 def probed_cli(config: str, seed: int, max_steps: int, runs: Path, overrides: list[str]) -> BridgeCLI:
@@ -104,8 +147,9 @@ def probe(cli: BridgeCLI) -> list[dict[str, float]]:
 
 def markdown(records: dict[int, list[dict[str, float]]], command: list[str]) -> str:
     lines = [f"`python benchmarks/coupling_probe.py {' '.join(command)}`", "",
-             "| seed | iteration | λ | ‖g_C‖ / ‖g_F‖ | cos(g_C, g_F) | cos(g_F + g_C, g_F) | sign flips |",
-             "|---|---|---|---|---|---|---|"]
+             "| seed | iteration | λ | ‖g_C‖ / ‖g_F‖ | cos(g_C, g_F) | cos(g_F + g_C, g_F) | sign flips "
+             "| noise share of ‖g_C‖² | noise-free ‖g_C‖ / ‖g_F‖ |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for seed, rows in records.items():
         for i, row in enumerate(rows, start=1):
             lines.append(f"| {seed} | {i} | {row['lambda']:.1f} | "

@@ -322,22 +322,31 @@ class RLProblem:
     def coupling_loss(self, lam: float) -> torch.Tensor:
         return sum(self.coupling_loss_parts(lam), torch.zeros((), device=self.batch.input_ids.device))
 
+    @torch.no_grad()
+    def coupling_search_weights(self, lam: float) -> torch.Tensor | None:
+        """``[S', K']`` the coupling's weight on ℓ_θ(d) of each credit search's candidates, w_s(d) / S'.
+
+        Detached; 0 on padding slots; None when there is no coupling (no LM credit, λ = 0 or no ψ). Row s times
+        that search's ℓ_θ, summed, is search s's share of the coupling loss (the mean over s of G is taken here).
+        """
+        if self.lm_scores is None or lam == 0 or self.psi is None:
+            return None
+        searches = self.batch.credit_searches
+        valid = self.batch.search_valid[searches]
+        weights = coupling_weights(self.lm_scores, self._scores(searches, None), self._scores(searches, self.psi),
+                                   1.0, self.retrieval.teacher_temperature, lam, valid=valid)
+        return (weights / searches.numel()).masked_fill(~valid, 0.0)
+
     def coupling_loss_parts(self, lam: float) -> Iterator[torch.Tensor]:
         """Σ_{s,d} w_s(d) ℓ_θ(d): one weighted backward through the LM-credit forward.
 
         Uses the graph kept from construction when there is one (consumed here); otherwise ℓ_θ is recomputed
         with grad, one token-budget group of searches at a time.
         """
-        if self.lm_scores is None or lam == 0 or self.psi is None:
+        weights = self.coupling_search_weights(lam)
+        if weights is None:
             return
         batch = self.batch
-        valid = batch.search_valid[batch.credit_searches]
-        with torch.no_grad():
-            phi = self._scores(batch.credit_searches, None)
-            psi = self._scores(batch.credit_searches, self.psi)
-            weights = coupling_weights(self.lm_scores, phi, psi, 1.0, self.retrieval.teacher_temperature, lam,
-                                       valid=valid)
-        weights = (weights / batch.credit_searches.numel()).masked_fill(~valid, 0.0)  # G: mean over s
         self.stats["bridge/coupling_weight_abs"] = float(weights.abs().sum())
         if self._credit_graph is not None:
             graph, self._credit_graph = self._credit_graph, None

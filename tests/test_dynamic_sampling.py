@@ -43,6 +43,7 @@ def test_filtered_batches_hold_only_groups_with_signal_refilled_from_fresh_promp
 def test_without_filtering_the_given_prompts_are_trained_as_they_are(tmp_path, mixed_qa):
     batch = _training_batch(tmp_path, mixed_qa)
     assert all(golds == ["Lyon"] for golds in batch.golds) and batch.rewards.sum() == 0
+    assert batch.sampling.pop("seconds") > 0
     assert batch.sampling == {"sampled_groups": 2.0, "sampled_groups_with_signal": 0.0, "sampling_rounds": 1.0}
 
 

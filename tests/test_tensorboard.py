@@ -54,6 +54,8 @@ def test_event_files_hold_eval_credit_and_trajectories(tiny_run):
     credit = {"retrieval_miss_rate", "reasoning_miss_rate", "failure_rate", "recall@k", "gold_id_share"}
     assert {f"credit/{n}" for n in credit} <= scalars and {f"val/world_dev/credit/{n}" for n in credit} <= scalars
     assert [e.step for e in events.Scalars("credit/failure_rate")] == [0, 1]  # every training step
+    for timing in ("rollout/seconds", "update/seconds"):  # where each iteration's wall time went
+        assert [e.step for e in events.Scalars(timing)] == [0, 1] and all(e.value > 0 for e in events.Scalars(timing))
     # the dev-EM curve: after the warm start (step 0), then the validation after iteration 2 (Lightning logs
     # it at the step of the last training batch, 1)
     assert [e.step for e in events.Scalars("val/world_dev/em")] == [0, 1]

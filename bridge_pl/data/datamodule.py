@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -260,8 +261,10 @@ class RolloutDataModule(L.LightningDataModule):
 
         Training: ``n_samples`` sampled trajectories per prompt with Plackett-Luce retrieval (and, with
         ``filter_groups``, dynamic sampling: see :meth:`_sample_groups`); else greedy generation with
-        deterministic top-k retrieval.
+        deterministic top-k retrieval. A training batch's ``sampling`` stats include ``seconds``, the wall time
+        of the whole rollout (generation, rewards, LM-credit sequences).
         """
+        start = time.perf_counter()
         if training:
             trajectories, per_traj, scores, sampling = self._sample_groups(module, examples)
         else:
@@ -287,6 +290,8 @@ class RolloutDataModule(L.LightningDataModule):
         )
         if training and module.credit_queries() > 0:
             self._add_credit_sequences(batch, trajectories, per_traj, module, tokenizer)
+        if training:
+            batch.sampling["seconds"] = time.perf_counter() - start
         return batch
 
     def _generate(self, module: RolloutAgent, examples: list[QAExample], training: bool) -> list[Trajectory]:

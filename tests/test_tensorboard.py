@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import TINY
+from helpers import TINY, load_benchmark
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from bridge_pl.cli import BridgeCLI
@@ -64,6 +64,15 @@ def test_event_files_hold_eval_credit_and_trajectories(tiny_run):
     text = events.Tensors(text_tag)[0].tensor_proto.string_val[0].decode()
     assert text.count("**Question**") == 3 and "**Gold:**" in text and "Response:" in text
     assert (log_dir / "predictions" / "val_world_dev_step2.jsonl").is_file()
+
+
+def test_timeline_charges_the_whole_span_to_phases(tiny_run):
+    """benchmarks/demo_timeline.py on a real run: warm start, evaluations and the iterations' split add up."""
+    _, log_dir, _ = tiny_run
+    seconds = load_benchmark("demo_timeline").timeline(log_dir)
+    assert {"warm start", "evaluation", "iteration: rollout", "iteration: update", "iteration: other"} <= seconds.keys()
+    assert all(seconds[p] > 0 for p in ("warm start", "evaluation", "iteration: rollout", "iteration: update"))
+    assert sum(v for p, v in seconds.items() if p != "span") == pytest.approx(seconds["span"])
 
 
 def test_progress_bar_shows_reward_and_val_em(tiny_run):

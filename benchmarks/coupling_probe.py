@@ -69,10 +69,9 @@ def search_noise_stats(search_grads: torch.Tensor, rl_grad: torch.Tensor) -> dic
     With h_s = n g_s, one search's estimate of the coupling, g_C is their mean and V = Σ_s ‖h_s − g_C‖² / (n − 1)
     estimates their variance (trace), so V / n is the part of E‖g_C‖² that the draw of n searches adds. Returns
     ``coupling_noise_share`` (V / n) / ‖g_C‖² (near 1 or above: g_C is mostly noise at this n; 0 with no coupling
-    or a single search, where V cannot be estimated)
-    and ``coupling_mean_to_rl`` √max(0, ‖g_C‖² − V / n) / ‖g_F‖, the estimated norm of the noise-free coupling
-    relative to g_F. Searches of one trajectory share its prompt, so they are not independent draws; V is a
-    rough estimate.
+    or a single search, where V cannot be estimated) and ``coupling_mean_to_rl`` √max(0, ‖g_C‖² − V / n) / ‖g_F‖,
+    the estimated norm of the noise-free coupling relative to g_F. Searches of one trajectory share its prompt, so
+    they are not independent draws; V is a rough estimate.
     """
     n = search_grads.shape[0]
     coupling = search_grads.sum(0)

@@ -44,31 +44,28 @@ def timeline(version_dir: Path) -> dict[str, float]:
     """
     events = EventAccumulator(str(version_dir), size_guidance={"scalars": 0})
     events.Reload()
-    ends: dict[float, str] = {}
+    tags = events.Tags()["scalars"]
+    ends: dict[float, tuple[str, int]] = {}  # wall time -> (phase it ends, step)
     last = 0.0
-    for tag in events.Tags()["scalars"]:
+    for tag in tags:
         phase = _marker(tag)
         for event in events.Scalars(tag):
             last = max(last, event.wall_time)
             if phase is not None:
-                ends.setdefault(event.wall_time, phase)
-    split = {name: {e.step: e.value for e in events.Scalars(name)} if name in events.Tags()["scalars"] else {}
+                ends.setdefault(event.wall_time, (phase, event.step))
+    split = {name: {e.step: e.value for e in events.Scalars(name)} if name in tags else {}
              for name in ("rollout/seconds", "update/seconds")}
-    iteration_steps = iter(sorted(e.step for e in events.Scalars("train/reward"))
-                           if "train/reward" in events.Tags()["scalars"] else [])
     start = (version_dir / "config.yaml").stat().st_mtime
     seconds: dict[str, float] = defaultdict(float)
     previous = start
-    for wall, phase in sorted(ends.items()):
+    for wall, (phase, step) in sorted(ends.items()):
         gap = wall - previous
-        if phase == "iteration":
-            step = next(iteration_steps)
-            if step in split["rollout/seconds"] and step in split["update/seconds"]:
-                rollout, update = split["rollout/seconds"][step], split["update/seconds"][step]
-                seconds["iteration: rollout"] += rollout
-                seconds["iteration: update"] += update
-                gap -= rollout + update
-                phase = "iteration: other"
+        if phase == "iteration" and step in split["rollout/seconds"] and step in split["update/seconds"]:
+            rollout, update = split["rollout/seconds"][step], split["update/seconds"][step]
+            seconds["iteration: rollout"] += rollout
+            seconds["iteration: update"] += update
+            gap -= rollout + update
+            phase = "iteration: other"
         seconds[phase] += gap
         previous = wall
     seconds["after the last phase"] = last - previous

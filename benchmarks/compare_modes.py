@@ -6,9 +6,16 @@ subprocess. Per seed, the config's ``WarmStart`` runs once (``<runs>/warm_seed<s
 after it, the curves' step 0); every variant of that seed then starts from that adapter (``policy.adapter``), so
 the variants differ only in what happens after it. Each (variant, seed) is one ``fit`` + ``test``; it records
 ``val/<dev>/em`` at every validation, the test metrics (``test/<test>/em``, ``f1``; ``CreditReport``'s
-retrieval-miss share and recall@k; ``hop recall@k``), the path of its test predictions (``QAEval``'s file: each
-question's EM) and its own peak RSS and fit time, into ``<runs>/<variant>_seed<seed>/result.json``.
-Finished runs are not repeated (delete their folder to redo one), so an interrupted comparison resumes.
+retrieval-miss share and recall@k; ``hop recall@k``), each test question's EM (from ``QAEval``'s predictions file)
+and its own peak RSS and fit time, into ``<runs>/<variant>_seed<seed>/result.json``.
+
+**Records.** Each finished step's result, with the commit it ran at and its setup (config, ``--max-steps``,
+overrides), is also written to ``<records>/<name>_seed<seed>.json`` (default ``<out>/compare_modes_runs``, a few KB
+each, meant to be committed). The table is built from the records, and a step with a record is not run again
+(delete the record to redo one), so a comparison that takes longer than one machine session resumes from a fresh
+clone: a variant whose seed's warm-start adapter is missing from ``<runs>`` makes the warm start again first, and
+the run stops if that warm start's dev EM differs from its record's (the variants would not share a start). A
+record made with another setup is refused, naming the file.
 
 Outputs: ``<out>/compare_modes.md`` (per mode, mean ± std over seeds, with a ``warm start`` row for the policy every
 mode starts from; the paired difference of each mode vs ``frozen``, mean ± standard error; the paper's claims, each
@@ -19,7 +26,7 @@ Checkpoints and the config's ``LossLandscape`` probes are left out of every run.
     python benchmarks/compare_modes.py                                   # configs/demo.yaml, seeds 0 1 2
     python benchmarks/compare_modes.py --config tests/configs/tiny.yaml --max-steps 2 --seeds 0   # plumbing
     python benchmarks/compare_modes.py --modes frozen bridge --data.batch_size=4   # extra args: config overrides
-    python benchmarks/compare_modes.py --max-steps 8 --table-only   # the report so far, from the finished runs
+    python benchmarks/compare_modes.py --max-steps 8 --table-only   # the report so far, from the records
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ WARM = "warm"  # the per-seed warm start's run folder and worker name
 # table column -> test metric name under test/<dataset>/
 COLUMNS = {"EM": "em", "F1": "f1", "retrieval-miss share": "credit/retrieval_miss_rate", "recall@k": "credit/recall@k"}
 HOP_RECALL = "hop recall@k"  # the query encoder on the world's own hop queries (hop_recall)
-TEST_PREDICTIONS = "test_predictions"  # a run record's test predictions file (QAEval's), relative to its run folder
+TEST_OUTCOMES = "test_outcomes"  # a run record's test EM per question id
 METRICS = [*COLUMNS, HOP_RECALL]
 
 
@@ -87,14 +94,32 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--modes", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"), help="folder of the table and plot")
     parser.add_argument("--runs", default="runs/compare_modes", help="folder of the per-run logs and results")
+    parser.add_argument("--records", help="folder of the finished steps' records (default: <out>/compare_modes_runs)")
     parser.add_argument("--table-only", action="store_true",
-                        help="write the table and plot from the finished runs only (the others are listed as not run)")
+                        help="write the table and plot from the records only (the missing steps are listed as not run)")
     parser.add_argument("--worker", nargs=2, metavar=("STEP", "SEED"), help=argparse.SUPPRESS)  # internal
-    return parser.parse_known_args(argv)
+    args, overrides = parser.parse_known_args(argv)
+    args.records = args.records or str(Path(args.out) / "compare_modes_runs")
+    return args, overrides
 
 
 def run_dir(args: argparse.Namespace, name: str, seed: int) -> Path:
     return Path(args.runs) / f"{name}_seed{seed}"
+
+
+def record_path(args: argparse.Namespace, name: str, seed: int) -> Path:
+    return Path(args.records) / f"{name}_seed{seed}.json"
+
+
+def setup(args: argparse.Namespace, overrides: list[str]) -> dict:
+    """What makes two records comparable: the config (relative to the repository when inside it), the iterations
+    and the config overrides."""
+    return {"config": config_name(args), "max_steps": args.max_steps, "overrides": overrides}
+
+
+def config_name(args: argparse.Namespace) -> str:
+    config = Path(args.config).resolve()
+    return str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config)
 
 
 def build_cli(args: argparse.Namespace, overrides: list[str], name: str, seed: int, extra: list[str]) -> BridgeCLI:
@@ -147,12 +172,12 @@ def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dic
 
 def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str, seed: int) -> dict:
     """Worker: fit and test one (variant, seed) in this process, from the seed's warm start; its result record."""
-    warm = json.loads((run_dir(args, WARM, seed) / "result.json").read_text())
+    warm = json.loads(record_path(args, WARM, seed).read_text())
     extra = [*VARIANTS[variant]]
     if args.max_steps is not None:
         extra.append(f"--trainer.max_steps={args.max_steps}")
     if warm["adapter"] is not None:
-        extra.append(f"--model.policy.init_args.adapter={warm['adapter']}")
+        extra.append(f"--model.policy.init_args.adapter={warm_adapter(args, seed)}")
     cli = build_cli(args, overrides, variant, seed, extra)
     trainer, data = cli.trainer, cli.datamodule
     dev = next(iter(data.val_sources))
@@ -170,21 +195,69 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
     metrics = test_metrics(trainer, cli.model, data)
     test = next(iter(data.test_sources))
     predictions = next(p for p in qa_eval.written if p.name.startswith(f"test_{test}_step"))
+    with open(predictions) as f:
+        outcomes = {record["id"]: float(record["em"]) for record in map(json.loads, f)}
     return {
         "variant": variant, "seed": seed, "fit_s": fit_s, "dev_curve": [(0, warm["dev_em"]), *curve.points],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # ru_maxrss is in KiB
-        **metrics, TEST_PREDICTIONS: str(predictions.relative_to(run_dir(args, variant, seed))),
+        **metrics, TEST_OUTCOMES: outcomes,
     }
 
 
-def finished(args: argparse.Namespace, argv: list[str], name: str, seed: int) -> list[dict]:
-    """One step of the comparison's result record (in a list), run first in a subprocess unless it is there;
-    with ``--table-only`` nothing runs, and a step not yet run gives ``[]``."""
-    result = run_dir(args, name, seed) / "result.json"
-    if not result.exists() and not args.table_only:
-        print(f"compare_modes: {name}, seed {seed}", flush=True)
-        subprocess.run([sys.executable, __file__, *argv, "--worker", name, str(seed)], check=True)
-    return [json.loads(result.read_text())] if result.exists() else []
+def warm_adapter(args: argparse.Namespace, seed: int) -> Path:
+    """The seed's warm-start adapter in ``<runs>`` (the warm step's record names the dev EM it must reproduce)."""
+    return run_dir(args, WARM, seed) / "adapter"
+
+
+def commit() -> str | None:
+    """The repository's HEAD commit, with ``+changes`` when tracked files differ from it (None outside git)."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode:
+        return None
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "bridge_pl", "callbacks", "benchmarks"]).returncode
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
+def run_step(args: argparse.Namespace, argv: list[str], name: str, seed: int) -> dict:
+    """Run one step in a subprocess (it writes ``<runs>/<name>_seed<seed>/result.json``); that result."""
+    print(f"compare_modes: {name}, seed {seed}", flush=True)
+    subprocess.run([sys.executable, __file__, *argv, "--worker", name, str(seed)], check=True)
+    return json.loads((run_dir(args, name, seed) / "result.json").read_text())
+
+
+def ensure_warm_adapter(args: argparse.Namespace, argv: list[str], seed: int) -> None:
+    """Make the seed's warm start again when its record exists but its adapter is not in ``<runs>`` (a fresh
+    clone); refuse to go on if it does not reproduce the record's dev EM."""
+    recorded = json.loads(record_path(args, WARM, seed).read_text())
+    if recorded["adapter"] is None or (warm_adapter(args, seed) / "adapter_config.json").is_file():
+        return
+    remade = run_step(args, argv, WARM, seed)
+    if remade["dev_em"] != recorded["dev_em"]:
+        raise RuntimeError(
+            f"compare_modes: the warm start of seed {seed} made again reached dev EM {remade['dev_em']}, but "
+            f"{record_path(args, WARM, seed)} records {recorded['dev_em']}: the variants would not share a start; "
+            "delete that seed's records to redo the seed")
+
+
+def finished(args: argparse.Namespace, argv: list[str], overrides: list[str], name: str, seed: int) -> list[dict]:
+    """One step's record (in a list): read from ``<records>`` if there, else run first and recorded; with
+    ``--table-only`` nothing runs, and a step without a record gives ``[]``."""
+    path = record_path(args, name, seed)
+    if path.exists():
+        record = json.loads(path.read_text())
+        if record.get("setup") != setup(args, overrides):
+            raise ValueError(f"compare_modes: {path} was made with setup {record.get('setup')}, not this command's "
+                             f"{setup(args, overrides)}; pass another --records folder or delete the record")
+        return [record]
+    if args.table_only:
+        return []
+    if name != WARM:
+        ensure_warm_adapter(args, argv, seed)
+    record = {**run_step(args, argv, name, seed), "commit": commit(), "setup": setup(args, overrides)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    return [record]
 
 
 def finite(values: list[float]) -> list[float]:
@@ -233,13 +306,9 @@ def t95(df: float) -> float:
 MIN_SEEDS = 3
 
 
-def question_outcomes(folder: Path, run: dict) -> dict[str, float]:
-    """Test EM per question id of the run record ``run`` of run folder ``folder``, read from its
-    ``test_predictions`` file (``{}`` for a record without one)."""
-    if TEST_PREDICTIONS not in run:
-        return {}
-    with open(folder / run[TEST_PREDICTIONS]) as f:
-        return {record["id"]: float(record["em"]) for record in map(json.loads, f)}
+def question_outcomes(run: dict) -> dict[str, float]:
+    """Test EM per question id of the run record ``run`` (``{}`` for a record without them)."""
+    return run.get(TEST_OUTCOMES, {})
 
 
 def question_se(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> tuple[float, int]:
@@ -307,8 +376,7 @@ def by_seed(runs: list[dict], key: str) -> dict[int, float]:
 
 def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Namespace, argv: list[str]) -> str:
     """The report: per-mode table (mean ± std), paired differences vs ``frozen`` (mean ± SE), the claims."""
-    config = Path(args.config).resolve()
-    config = config.relative_to(ROOT) if config.is_relative_to(ROOT) else config
+    config = config_name(args)
     done = {v: sorted(r["seed"] for r in runs) for v, runs in results.items()}
     missing = [f"{v} seed {s}" for v in results for s in args.seeds if s not in done[v]]
     lines = [
@@ -325,6 +393,8 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         "wall time (RL iterations + validations; the shared warm start is not included). Dev-EM curve: mean dev "
         "EM at each validation, step 0 being the warm-started policy every mode of a seed starts from (the `warm "
         "start` row: its test metrics, untrained retriever).",
+        "",
+        f"Records in `{args.records}`, made at: " + commits_made_at([warm, *results.values()]) + ".",
         "",
         "| mode | seeds | " + " | ".join(f"test {c}" for c in METRICS)
         + " | dev-EM curve | peak RSS (MB) | fit time (s) |",
@@ -360,13 +430,21 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
     for claim, better, worse in CLAIMS:
         if better in results and worse in results:
             mean, se, n = paired_difference(by_seed(results[better], "EM"), by_seed(results[worse], "EM"))
-            se_questions, questions = question_se(*({r["seed"]: question_outcomes(run_dir(args, mode, r["seed"]), r)
-                                                     for r in results[mode]} for mode in (better, worse)))
+            se_questions, questions = question_se(*({r["seed"]: question_outcomes(r) for r in results[mode]}
+                                                    for mode in (better, worse)))
             interval = claim_interval(mean, se, n, se_questions, questions)
             cells = [signed(mean, se, n) if n else "n/a", "n/a" if math.isnan(se_questions) else f"{se_questions:.3f}",
                      "n/a" if math.isnan(interval[0]) else f"[{interval[0]:+.3f}, {interval[1]:+.3f}]"]
             lines.append(f"| {claim} | " + " | ".join(cells) + f" | {n} | {verdict(interval, n)} |")
     return "\n".join(lines) + "\n"
+
+
+def commits_made_at(runs: list[list[dict]]) -> str:
+    """``abc1234 (5 steps), def5678+changes (2 steps)``: the commits the records were made at, in first-seen order."""
+    counts: dict[str, int] = {}
+    for record in (r for group in runs for r in group):
+        counts[str(record.get("commit"))] = counts.get(str(record.get("commit")), 0) + 1
+    return ", ".join(f"{c} ({n} step{'s' * (n > 1)})" for c, n in counts.items()) or "none yet"
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:
@@ -414,9 +492,9 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict]] = {variant: [] for variant in args.modes}
     warm: list[dict] = []
     for seed in args.seeds:  # seed-major: an interrupted comparison already has every variant for early seeds
-        warm += finished(args, argv, WARM, seed)
+        warm += finished(args, argv, overrides, WARM, seed)
         for variant in args.modes:
-            results[variant] += finished(args, argv, variant, seed)
+            results[variant] += finished(args, argv, overrides, variant, seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = [a for a in argv if a != "--table-only"]

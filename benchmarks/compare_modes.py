@@ -118,8 +118,13 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 def config_name(args: argparse.Namespace) -> str:
-    config = Path(args.config).resolve()
-    return str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config)
+    return in_repository(args.config)
+
+
+def in_repository(path: str) -> str:
+    """``path`` relative to the repository when inside it (so tables and records read the same on every clone)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else resolved)
 
 
 def build_cli(args: argparse.Namespace, overrides: list[str], name: str, seed: int, extra: list[str]) -> BridgeCLI:
@@ -394,7 +399,7 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         "EM at each validation, step 0 being the warm-started policy every mode of a seed starts from (the `warm "
         "start` row: its test metrics, untrained retriever).",
         "",
-        f"Records in `{args.records}`, made at: " + commits_made_at([warm, *results.values()]) + ".",
+        f"Records in `{in_repository(args.records)}`, made at: " + commits_made_at([warm, *results.values()]) + ".",
         "",
         "| mode | seeds | " + " | ".join(f"test {c}" for c in METRICS)
         + " | dev-EM curve | peak RSS (MB) | fit time (s) |",

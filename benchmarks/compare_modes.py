@@ -114,11 +114,7 @@ def record_path(args: argparse.Namespace, name: str, seed: int) -> Path:
 def setup(args: argparse.Namespace, overrides: list[str]) -> dict:
     """What makes two records comparable: the config (relative to the repository when inside it), the iterations
     and the config overrides."""
-    return {"config": config_name(args), "max_steps": args.max_steps, "overrides": overrides}
-
-
-def config_name(args: argparse.Namespace) -> str:
-    return in_repository(args.config)
+    return {"config": in_repository(args.config), "max_steps": args.max_steps, "overrides": overrides}
 
 
 def in_repository(path: str) -> str:
@@ -163,7 +159,7 @@ def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dic
     test metrics (the untrained query encoder's, for the retriever columns)."""
     cli = build_cli(args, overrides, WARM, seed, ["--trainer.max_steps=0"])
     trainer, data = cli.trainer, cli.datamodule
-    adapter = run_dir(args, WARM, seed) / "adapter"
+    adapter = warm_adapter(args, seed)
     warm = [c for c in trainer.callbacks if isinstance(c, WarmStart)]
     for callback in warm:  # different seeds, different demonstrations; the dev EM is measured below
         callback.seed, callback.evaluate, callback.save_to = seed, False, str(adapter)
@@ -381,7 +377,7 @@ def by_seed(runs: list[dict], key: str) -> dict[int, float]:
 
 def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Namespace, argv: list[str]) -> str:
     """The report: per-mode table (mean ± std), paired differences vs ``frozen`` (mean ± SE), the claims."""
-    config = config_name(args)
+    config = in_repository(args.config)
     done = {v: sorted(r["seed"] for r in runs) for v, runs in results.items()}
     missing = [f"{v} seed {s}" for v in results for s in args.seeds if s not in done[v]]
     lines = [

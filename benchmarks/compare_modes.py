@@ -471,7 +471,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         means = [statistics.mean(by_step[s]) for s in steps]
         stds = [statistics.stdev(by_step[s]) if len(by_step[s]) > 1 else 0.0 for s in steps]
         x = [s + (i - (len(results) - 1) / 2) * shift for s in steps]
-        ax.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=f"{variant} ({len(runs)} seeds)")
+        seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
+        ax.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=f"{variant} ({seeds})")
     ax.set_xticks(sorted({s for runs in results.values() for r in runs for s, _ in r["dev_curve"]}))
     ax.set_xlabel("RL iteration (0 = after the warm start)")
     ax.set_ylabel("dev EM")

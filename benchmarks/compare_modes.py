@@ -411,6 +411,7 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         for key, digits in (("peak_rss_mb", 0), ("fit_s", 0)):
             cells.append(mean_std([r[key] for r in runs], digits) if all(key in r for r in runs) and runs else "-")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += per_seed_table(rows, args.seeds)
     base = results.get(BASELINE, [])
     lines += ["", f"Paired differences vs `{BASELINE}` (same seed), mean ± standard error over seeds:", "",
               "| mode | " + " | ".join(f"Δ test {c}" for c in METRICS) + " |", "|---" * (len(METRICS) + 1) + "|"]
@@ -438,6 +439,23 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
                      "n/a" if math.isnan(interval[0]) else f"[{interval[0]:+.3f}, {interval[1]:+.3f}]"]
             lines.append(f"| {claim} | " + " | ".join(cells) + f" | {n} | {verdict(interval, n)} |")
     return "\n".join(lines) + "\n"
+
+
+def per_seed_table(rows: list[tuple[str, list[dict]]], seeds: list[int]) -> list[str]:
+    """Each run on its own: ``test EM; dev EM at each validation`` per mode (row) and seed (column)."""
+    lines = ["", "Per seed (test EM; dev EM at each validation):", "",
+             "| mode | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (len(seeds) + 1) + "|"]
+    for variant, runs in rows:
+        cells = []
+        for seed in seeds:
+            run = next((r for r in runs if r["seed"] == seed), None)
+            if run is None:
+                cells.append("not run")
+                continue
+            curve = run.get("dev_curve", [(0, run.get("dev_em", math.nan))])  # warm: its dev EM
+            cells.append(f"{run['EM']:.3f}; " + " → ".join(f"{em:.3f}" for _, em in curve))
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def commits_made_at(runs: list[list[dict]]) -> str:
@@ -471,8 +489,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
         means = [statistics.mean(by_step[s]) for s in steps]
         stds = [statistics.stdev(by_step[s]) if len(by_step[s]) > 1 else 0.0 for s in steps]
         x = [s + (i - (len(results) - 1) / 2) * shift for s in steps]
-        seeds = f"{len(runs)} seed" + ("s" if len(runs) > 1 else "")
-        ax.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=f"{variant} ({seeds})")
+        ax.errorbar(x, means, yerr=stds, marker="o", capsize=3,
+                    label=f"{variant} ({len(runs)} seed{'s' * (len(runs) > 1)})")
     ax.set_xticks(sorted({s for runs in results.values() for r in runs for s, _ in r["dev_curve"]}))
     ax.set_xlabel("RL iteration (0 = after the warm start)")
     ax.set_ylabel("dev EM")

@@ -83,6 +83,7 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     table = (tmp_path / "out/compare_modes.md").read_text()
     assert "not yet run: frozen seed 1, bridge seed 0, bridge seed 1" in table
     assert "| frozen | 1 | 0.250 | 0.300 |" in table and "0.200 → 0.300" in table
+    assert "| frozen | 0.250; 0.200 → 0.300 | not run |" in table  # per seed
     assert "made at: abc1234 (1 step)." in table
     assert "--table-only" not in table  # the command shown is the one that makes the runs
 

@@ -404,7 +404,7 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
     rows = [("warm start", warm), *results.items()]
     for variant, runs in rows:
         cells = [str(len(runs))] + [mean_std([r.get(c, math.nan) for r in runs], 3) for c in METRICS]
-        curves = [r.get("dev_curve", [(0, r.get("dev_em", math.nan))]) for r in runs]  # warm: its dev EM
+        curves = [dev_curve(r) for r in runs]
         steps = sorted({s for curve in curves for s, _ in curve})
         cells.append(" → ".join(f"{statistics.mean(em for c in curves for s2, em in c if s2 == s):.3f}"
                                 for s in steps) or "-")
@@ -441,6 +441,11 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
     return "\n".join(lines) + "\n"
 
 
+def dev_curve(record: dict) -> list[tuple[int, float]]:
+    """``(step, dev EM)`` per validation of a mode's record; a warm start's record has one point, its dev EM."""
+    return record.get("dev_curve", [(0, record.get("dev_em", math.nan))])
+
+
 def per_seed_table(rows: list[tuple[str, list[dict]]], seeds: list[int]) -> list[str]:
     """Each run on its own: ``test EM; dev EM at each validation`` per mode (row) and seed (column)."""
     lines = ["", "Per seed (test EM; dev EM at each validation):", "",
@@ -452,8 +457,7 @@ def per_seed_table(rows: list[tuple[str, list[dict]]], seeds: list[int]) -> list
             if run is None:
                 cells.append("not run")
                 continue
-            curve = run.get("dev_curve", [(0, run.get("dev_em", math.nan))])  # warm: its dev EM
-            cells.append(f"{run['EM']:.3f}; " + " → ".join(f"{em:.3f}" for _, em in curve))
+            cells.append(f"{run['EM']:.3f}; " + " → ".join(f"{em:.3f}" for _, em in dev_curve(run)))
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return lines
 

@@ -6,8 +6,9 @@ subprocess. Per seed, the config's ``WarmStart`` runs once (``<runs>/warm_seed<s
 after it, the curves' step 0); every variant of that seed then starts from that adapter (``policy.adapter``), so
 the variants differ only in what happens after it. Each (variant, seed) is one ``fit`` + ``test``; it records
 ``val/<dev>/em`` at every validation, the test metrics (``test/<test>/em``, ``f1``; ``CreditReport``'s
-retrieval-miss share and recall@k; ``hop recall@k``), each test question's EM (from ``QAEval``'s predictions file)
-and its own peak RSS and fit time, into ``<runs>/<variant>_seed<seed>/result.json``.
+retrieval-miss share and recall@k; ``hop recall@k``), from ``QAEval``'s predictions file each test question's EM
+and the share of questions answered without a search, and its own peak RSS and fit time, into
+``<runs>/<variant>_seed<seed>/result.json``.
 
 **Records.** Each finished step's result, with the commit it ran at and its setup (config, ``--max-steps``,
 overrides), is also written to ``<records>/<name>_seed<seed>.json`` (default ``<out>/compare_modes_runs``, a few KB
@@ -18,9 +19,10 @@ the run stops if that warm start's dev EM differs from its record's (the variant
 record made with another setup is refused, naming the file.
 
 Outputs: ``<out>/compare_modes.md`` (per mode, mean ± std over seeds, with a ``warm start`` row for the policy every
-mode starts from; the paired difference of each mode vs ``frozen``, mean ± standard error; the paper's claims, each
-reproduced, refuted or within noise by a paired t-interval whose error counts both the seeds and the sample of test
-questions, see ``claim_interval``) and ``<out>/compare_modes_dev_em.png`` (dev-EM curves).
+mode starts from; the paired difference of each mode vs ``frozen``, mean ± standard error; the paper's claims and the
+budget check ``frozen`` > its warm start, each reproduced, refuted or within noise by a paired t-interval whose
+error counts both the seeds and the sample of test questions, see ``claim_interval``) and
+``<out>/compare_modes_dev_em.png`` (dev-EM curves).
 Checkpoints and the config's ``LossLandscape`` probes are left out of every run. Usage::
 
     python benchmarks/compare_modes.py                                   # configs/demo.yaml, seeds 0 1 2
@@ -68,8 +70,11 @@ WARM = "warm"  # the per-seed warm start's run folder and worker name
 # table column -> test metric name under test/<dataset>/
 COLUMNS = {"EM": "em", "F1": "f1", "retrieval-miss share": "credit/retrieval_miss_rate", "recall@k": "credit/recall@k"}
 HOP_RECALL = "hop recall@k"  # the query encoder on the world's own hop queries (hop_recall)
+# test questions answered without a single search: a policy that stops searching (and often stops closing its
+# answer tag) scores near 0 on 2-hop questions, which the EM column alone does not explain
+NO_SEARCH = "no-search share"
 TEST_OUTCOMES = "test_outcomes"  # a run record's test EM per question id
-METRICS = [*COLUMNS, HOP_RECALL]
+METRICS = [*COLUMNS, HOP_RECALL, NO_SEARCH]
 
 
 class DevCurve(L.Callback):
@@ -144,14 +149,35 @@ def hop_recall(module: BridgeModule, examples: list[QAExample]) -> float:
                            for (_, gold), top in zip(pairs, rows.tolist()))
 
 
-def test_metrics(trainer: L.Trainer, module: BridgeModule, data) -> dict[str, float]:
+def predictions_writer(trainer: L.Trainer) -> QAEval:
+    """The trainer's ``QAEval`` that writes predictions files, added when the config has none: the claims'
+    per-question outcomes and the no-search share come from its test file."""
+    qa_eval = next((c for c in trainer.callbacks if isinstance(c, QAEval) and c.write_predictions), None)
+    if qa_eval is None:
+        qa_eval = QAEval(num_trajectories=0)
+        trainer.callbacks.append(qa_eval)
+    return qa_eval
+
+
+def predictions_summary(path: Path) -> dict:
+    """From a ``QAEval`` predictions file: each question's EM by id (``TEST_OUTCOMES``) and the share of questions
+    whose trajectory made no search (``NO_SEARCH``)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    return {NO_SEARCH: statistics.mean(not row["searches"] for row in rows),
+            TEST_OUTCOMES: {row["id"]: float(row["em"]) for row in rows}}
+
+
+def test_metrics(trainer: L.Trainer, module: BridgeModule, data, qa_eval: QAEval) -> dict:
     """The table's test columns for ``module``: the config's first test set, whole (``data.max_eval_examples`` caps
-    the dev set only), then ``hop recall@k`` on it."""
+    the dev set only), then ``hop recall@k`` on it, and from ``qa_eval``'s predictions file the no-search share
+    and each question's EM."""
     test = next(iter(data.test_sources))
     data.max_eval_examples = None
     metrics = {k: v for per_loader in trainer.test(module, data, verbose=False) for k, v in per_loader.items()}
+    predictions = next(p for p in reversed(qa_eval.written) if p.name.startswith(f"test_{test}_step"))
     return {**{column: metrics.get(f"test/{test}/{name}", math.nan) for column, name in COLUMNS.items()},
-            HOP_RECALL: hop_recall(module, data.load(data.test_sources[test]))}
+            HOP_RECALL: hop_recall(module, data.load(data.test_sources[test])), **predictions_summary(predictions)}
 
 
 def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dict:
@@ -159,6 +185,7 @@ def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dic
     test metrics (the untrained query encoder's, for the retriever columns)."""
     cli = build_cli(args, overrides, WARM, seed, ["--trainer.max_steps=0"])
     trainer, data = cli.trainer, cli.datamodule
+    qa_eval = predictions_writer(trainer)
     adapter = warm_adapter(args, seed)
     warm = [c for c in trainer.callbacks if isinstance(c, WarmStart)]
     for callback in warm:  # different seeds, different demonstrations; the dev EM is measured below
@@ -168,7 +195,7 @@ def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dic
     dev = next(iter(data.val_sources))
     dev_em = float(trainer.callback_metrics[f"val/{dev}/em"])
     return {"seed": seed, "adapter": str(adapter) if warm else None, "dev_em": dev_em,
-            **test_metrics(trainer, cli.model, data)}
+            **test_metrics(trainer, cli.model, data, qa_eval)}
 
 
 def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str, seed: int) -> dict:
@@ -186,22 +213,15 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
     trainer.callbacks.append(curve)
     if not any(isinstance(c, CreditReport) for c in trainer.callbacks):
         trainer.callbacks.append(CreditReport(log_train=False))
-    qa_eval = next((c for c in trainer.callbacks if isinstance(c, QAEval)), None)
-    if qa_eval is None or not qa_eval.write_predictions:  # the claims' per-question outcomes come from its file
-        qa_eval = QAEval(num_trajectories=0)
-        trainer.callbacks.append(qa_eval)
+    qa_eval = predictions_writer(trainer)
     start = time.perf_counter()
     trainer.fit(cli.model, data)
     fit_s = time.perf_counter() - start
-    metrics = test_metrics(trainer, cli.model, data)
-    test = next(iter(data.test_sources))
-    predictions = next(p for p in qa_eval.written if p.name.startswith(f"test_{test}_step"))
-    with open(predictions) as f:
-        outcomes = {record["id"]: float(record["em"]) for record in map(json.loads, f)}
+    metrics = test_metrics(trainer, cli.model, data, qa_eval)
     return {
         "variant": variant, "seed": seed, "fit_s": fit_s, "dev_curve": [(0, warm["dev_em"]), *curve.points],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # ru_maxrss is in KiB
-        **metrics, TEST_OUTCOMES: outcomes,
+        **metrics,
     }
 
 
@@ -367,12 +387,15 @@ CLAIMS = [
     ("bridge > policy_first", "bridge", "policy_first"),
     ("bridge > retriever_first", "bridge", "retriever_first"),
     ("unmasked < masked (bridge)", "bridge", "unmasked"),
+    # not the paper's: the issue's check that the budget lets Search-R1 itself learn
+    ("frozen > its warm start", "frozen", WARM),
 ]
 BASELINE = "frozen"
 
 
 def by_seed(runs: list[dict], key: str) -> dict[int, float]:
-    return {r["seed"]: float(r[key]) for r in runs}
+    """``key`` of each run by seed; a record made before ``key`` was measured is left out."""
+    return {r["seed"]: float(r[key]) for r in runs if key in r}
 
 
 def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Namespace, argv: list[str]) -> str:
@@ -390,7 +413,7 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         "Test metrics on the config's first test set, whole; mean ± std over seeds (one number: one seed; n/a: "
         "undefined in every run, e.g. no failed trajectory). recall@k: gold passages among those shown to the "
         "policy for its own queries (`CreditReport`); hop recall@k: the query encoder alone, on the world's own "
-        "hop queries. Peak memory: each run's peak RSS (whole process) by the end of `fit`; time: `trainer.fit` "
+        "hop queries. Peak memory: each run's peak RSS (whole process) by the end of its test; time: `trainer.fit` "
         "wall time (RL iterations + validations; the shared warm start is not included). Dev-EM curve: mean dev "
         "EM at each validation, step 0 being the warm-started policy every mode of a seed starts from (the `warm "
         "start` row: its test metrics, untrained retriever).",
@@ -423,16 +446,18 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
             mean, se, n = paired_difference(by_seed(runs, c), by_seed(base, c))
             cells.append(signed(mean, se, n) + f" (n={n})" if n else "n/a")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    lines += ["", "The paper's claims on test EM: reproduced / refuted when the 95 % interval of the paired difference "
-              "lies above / below 0, else within noise. The interval is mean ± t · √(SE over seeds² + SE over "
+    lines += ["", "The paper's claims on test EM, and the budget check (`frozen` over the warm start it began from): "
+              "reproduced / refuted when the 95 % interval of the paired difference lies above / below 0, else within "
+              "noise. The interval is mean ± t · √(SE over seeds² + SE over "
               "questions²), t with Welch–Satterthwaite's degrees of freedom: every seed tests the same questions, so "
               "the test set's own sampling error is added to the seeds' (`claim_interval`).", "",
               "| claim | difference (mean ± SE over seeds) | SE over questions | 95 % interval | seeds | verdict |",
               "|---|---|---|---|---|---|"]
+    modes = {**results, WARM: warm}
     for claim, better, worse in CLAIMS:
-        if better in results and worse in results:
-            mean, se, n = paired_difference(by_seed(results[better], "EM"), by_seed(results[worse], "EM"))
-            se_questions, questions = question_se(*({r["seed"]: question_outcomes(r) for r in results[mode]}
+        if better in results and worse in modes:
+            mean, se, n = paired_difference(by_seed(modes[better], "EM"), by_seed(modes[worse], "EM"))
+            se_questions, questions = question_se(*({r["seed"]: question_outcomes(r) for r in modes[mode]}
                                                     for mode in (better, worse)))
             interval = claim_interval(mean, se, n, se_questions, questions)
             cells = [signed(mean, se, n) if n else "n/a", "n/a" if math.isnan(se_questions) else f"{se_questions:.3f}",

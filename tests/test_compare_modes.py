@@ -34,8 +34,11 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
         outcomes = compare_modes.question_outcomes(result)
         assert outcomes and set(outcomes.values()) <= {0.0, 1.0}  # each test question's EM, for the claims
         assert abs(sum(outcomes.values()) / len(outcomes) - result["EM"]) < 1e-6
+        assert 0.0 <= result["no-search share"] <= 1.0
     assert 0.0 <= warm["EM"] <= 1.0 and 0.0 <= warm["hop recall@k"] <= 1.0  # the warm start's own test row
+    assert compare_modes.question_outcomes(warm).keys() == outcomes.keys()  # the budget check is paired too
     assert "| warm start | 1 |" in table and "| bridge > frozen |" in table and "not tested" in table
+    assert "| frozen > its warm start |" in table and "test no-search share" in table
     capsys.readouterr()
     compare_modes.main(argv)  # every step has a record: nothing is rerun, the table is rewritten
     assert "compare_modes: " not in capsys.readouterr().out
@@ -130,3 +133,14 @@ def test_equal_seed_differences_still_carry_the_question_sampling_error():
     expected = math.sqrt(sum((d - 1 / 3) ** 2 for d in (0, 1, 1 / 3, 0)) / 3) / 2
     assert math.isclose(compare_modes.question_se(a, b)[0], expected)
     assert math.isnan(compare_modes.question_se({0: {}}, b)[0])  # a run without per-question outcomes
+
+
+def test_predictions_summary_counts_answers_without_a_search(tmp_path):
+    compare_modes = load_benchmark("compare_modes")
+    search = {"query": "Kigix Society", "titles": ["Kigix Society"], "ids": ["w00530"]}
+    rows = [{"id": "q1", "em": 1.0, "searches": [search]}, {"id": "q2", "em": 0.0, "searches": []},
+            {"id": "q3", "em": 1.0, "searches": []}, {"id": "q4", "em": 0.0, "searches": [search, search]}]
+    path = tmp_path / "test_world_test_step8.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = compare_modes.predictions_summary(path)
+    assert summary == {"no-search share": 0.5, "test_outcomes": {"q1": 1.0, "q2": 0.0, "q3": 1.0, "q4": 0.0}}

@@ -164,7 +164,7 @@ def predictions_summary(path: Path) -> dict:
     whose trajectory made no search (``NO_SEARCH``)."""
     with open(path) as f:
         rows = [json.loads(line) for line in f]
-    return {NO_SEARCH: statistics.mean(not row["searches"] for row in rows),
+    return {NO_SEARCH: float(statistics.mean(not row["searches"] for row in rows)),  # mean of bools can be int 0
             TEST_OUTCOMES: {row["id"]: float(row["em"]) for row in rows}}
 
 

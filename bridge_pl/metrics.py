@@ -108,7 +108,7 @@ class QAMetrics(Metric):
         questions = self.questions.clamp(min=1)
         means = ("em", "f1", "sub_em", "turns", "searches")
         values = {name: getattr(self, name) / questions for name in means}
-        values["valid_action_rate"] = self.valid_actions / self.actions.clamp(min=1)
+        values["valid_action_rate"] = valid_action_rate(self.valid_actions, self.actions)
         return {name: value.to(torch.float32) for name, value in values.items()}
 
     def _wrap_compute(self, compute: Callable) -> Callable:
@@ -132,6 +132,15 @@ class QAMetrics(Metric):
             this._defaults[name] = this._defaults[name].to(this.device)
             setattr(this, name, getattr(this, name).to(this.device))
         return this
+
+
+def valid_action_rate(valid_actions: Tensor, actions: Tensor) -> Tensor:
+    """Share of well-formed actions (a search or an answer), pooled: ``sum(valid_actions) / sum(actions)``.
+
+    Both are counts of the same shape (any; e.g. ``[B]`` per trajectory); the result is a float scalar in
+    [0, 1], 0 when there are no actions.
+    """
+    return valid_actions.sum() / actions.sum().clamp(min=1)
 
 
 class StepLogKeys:

@@ -35,7 +35,7 @@ from bridge_pl.distributed import (
     shard_root,
     this_ranks,
 )
-from bridge_pl.metrics import QAMetrics, StepLogKeys
+from bridge_pl.metrics import QAMetrics, StepLogKeys, valid_action_rate
 from bridge_pl.policy import Policy
 from bridge_pl.problem import RLProblem
 from bridge_pl.retrieval.base import Passage, Retriever
@@ -287,6 +287,10 @@ class BridgeModule(L.LightningModule):
                 "train/groups_with_signal": float(rl.groups_with_signal(batch.rewards, batch.group_ids)),
                 "train/searches": float(batch.num_searches.float().mean()),
                 "train/turns": float(batch.turns.float().mean()),
+                # a policy drifting out of the action format (unclosed or stray tags) shows here first
+                "train/valid_action_rate": float(
+                    valid_action_rate(batch.valid_actions, batch.valid_actions + batch.invalid_actions)
+                ),
                 "train/response_tokens": float(batch.action_mask.sum(-1).mean()),
                 "retriever/version": float(self.retriever.version),
                 "update/seconds": time.perf_counter() - start,  # everything after the rollout (rollout/seconds)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bridge_pl.metrics import QAMetrics
+from bridge_pl.metrics import QAMetrics, valid_action_rate
 
 # Five questions: (prediction, golds, turns, searches, valid_actions, actions).
 ROWS = [
@@ -68,6 +68,15 @@ def test_counts_accept_tensors():
     assert _as_floats(metric.compute()) == pytest.approx(
         {"em": 1.0, "f1": 1.0, "sub_em": 1.0, "turns": 3.0, "searches": 1.0, "valid_action_rate": 0.5}
     )
+
+
+def test_valid_action_rate_pools_integer_counts_of_a_training_batch():
+    """The training log's rate (long counts per trajectory, as in a RolloutBatch) pools like QAMetrics'."""
+    valid = torch.tensor([row[4] for row in ROWS])
+    invalid = torch.tensor([row[5] - row[4] for row in ROWS])  # [0, 1, 3, 0, 0]
+    assert valid_action_rate(valid, valid + invalid).item() == pytest.approx(EXPECTED["valid_action_rate"])
+    empty = torch.zeros(0, dtype=torch.long)
+    assert valid_action_rate(empty, empty).item() == 0.0
 
 
 def test_update_rejects_bad_input():

@@ -10,13 +10,13 @@ retrieval-miss share and recall@k; ``hop recall@k``), from ``QAEval``'s predicti
 and the share of questions answered without a search, and its own peak RSS and fit time, into
 ``<runs>/<variant>_seed<seed>/result.json``.
 
-**Records.** Each finished step's result, with the commit it ran at and its setup (config, ``--max-steps``,
-overrides), is also written to ``<records>/<name>_seed<seed>.json`` (default ``<out>/compare_modes_runs``, a few KB
-each, meant to be committed). The table is built from the records, and a step with a record is not run again
-(delete the record to redo one), so a comparison that takes longer than one machine session resumes from a fresh
-clone: a variant whose seed's warm-start adapter is missing from ``<runs>`` makes the warm start again first, and
-the run stops if that warm start's dev EM differs from its record's (the variants would not share a start). A
-record made with another setup is refused, naming the file.
+**Records.** Each finished step's result, with the commit it ran at and its setup (config and a digest of its
+content, ``--max-steps``, overrides), is also written to ``<records>/<name>_seed<seed>.json`` (default
+``<out>/compare_modes_runs``, a few KB each, meant to be committed). The table is built from the records, and a step
+with a record is not run again (delete the record to redo one), so a comparison that takes longer than one machine
+session resumes from a fresh clone: a variant whose seed's warm-start adapter is missing from ``<runs>`` makes the
+warm start again first, and the run stops if that warm start's dev EM differs from its record's (the variants would
+not share a start). A record made with another setup is refused, naming the file.
 
 Outputs: ``<out>/compare_modes.md`` (per mode, mean ± std over seeds, with a ``warm start`` row for the policy every
 mode starts from; the paired difference of each mode vs ``frozen``, mean ± standard error; the paper's claims and the
@@ -34,6 +34,7 @@ Checkpoints and the config's ``LossLandscape`` probes are left out of every run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import resource
@@ -46,6 +47,7 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import yaml
 from lightning.pytorch.callbacks import Checkpoint
 
 from bridge_pl.bilevel import mode_arguments
@@ -117,9 +119,17 @@ def record_path(args: argparse.Namespace, name: str, seed: int) -> Path:
 
 
 def setup(args: argparse.Namespace, overrides: list[str]) -> dict:
-    """What makes two records comparable: the config (relative to the repository when inside it), the iterations
-    and the config overrides."""
-    return {"config": in_repository(args.config), "max_steps": args.max_steps, "overrides": overrides}
+    """What makes two records comparable: the config (relative to the repository when inside it) and its content,
+    the iterations and the config overrides."""
+    return {"config": in_repository(args.config), "config_sha256": config_digest(args.config),
+            "max_steps": args.max_steps, "overrides": overrides}
+
+
+def config_digest(path: str) -> str:
+    """The first 16 hex digits of the SHA-256 of the config's parsed content (comments and layout do not count, an
+    edited value does: records made before the edit are refused instead of mixed in)."""
+    content = json.dumps(yaml.safe_load(Path(path).read_text()), sort_keys=True)
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
 
 
 def in_repository(path: str) -> str:

@@ -71,17 +71,21 @@ def test_a_warm_start_that_does_not_reproduce_its_record_stops_the_comparison(tm
     assert not (records / "frozen_seed0.json").exists()
 
 
+def frozen_record(setup: dict) -> dict:
+    """A hand-made record of ``frozen`` seed 0 (test EM 0.25, dev EM 0.2 -> 0.3) with the given setup."""
+    return {"variant": "frozen", "seed": 0, "fit_s": 10.0, "dev_curve": [[0, 0.2], [4, 0.3]], "peak_rss_mb": 900.0,
+            "EM": 0.25, "F1": 0.3, "retrieval-miss share": 0.5, "recall@k": 0.4, "hop recall@k": 0.6,
+            "commit": "abc1234", "setup": setup}
+
+
 def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     compare_modes = load_benchmark("compare_modes")
     records = tmp_path / "records"
     argv = ["--modes", "frozen", "bridge", "--seeds", "0", "1", "--table-only", "--records", str(records),
             "--out", str(tmp_path / "out")]
     args, overrides = compare_modes.parse_args(argv)
-    record = {"variant": "frozen", "seed": 0, "fit_s": 10.0, "dev_curve": [[0, 0.2], [4, 0.3]], "peak_rss_mb": 900.0,
-              "EM": 0.25, "F1": 0.3, "retrieval-miss share": 0.5, "recall@k": 0.4, "hop recall@k": 0.6,
-              "commit": "abc1234", "setup": compare_modes.setup(args, overrides)}
     records.mkdir()
-    (records / "frozen_seed0.json").write_text(json.dumps(record))
+    (records / "frozen_seed0.json").write_text(json.dumps(frozen_record(compare_modes.setup(args, overrides))))
     compare_modes.main(argv)
     table = (tmp_path / "out/compare_modes.md").read_text()
     assert "not yet run: frozen seed 1, bridge seed 0, bridge seed 1" in table
@@ -89,6 +93,23 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     assert "| frozen | 0.250; 0.200 → 0.300 | not run |" in table  # per seed
     assert "made at: abc1234 (1 step)." in table
     assert "--table-only" not in table  # the command shown is the one that makes the runs
+
+
+def test_a_record_made_before_the_config_was_edited_is_refused(tmp_path):
+    compare_modes = load_benchmark("compare_modes")
+    config = tmp_path / "config.yaml"
+    config.write_text(Path(TINY).read_text())
+    records = tmp_path / "records"
+    argv = ["--config", str(config), "--modes", "frozen", "--seeds", "0", "--table-only", "--records", str(records),
+            "--out", str(tmp_path / "out")]
+    args, overrides = compare_modes.parse_args(argv)
+    records.mkdir()
+    (records / "frozen_seed0.json").write_text(json.dumps(frozen_record(compare_modes.setup(args, overrides))))
+    config.write_text("# a comment and another layout do not change the content\n" + Path(TINY).read_text() + "\n")
+    compare_modes.main(argv)
+    config.write_text(Path(TINY).read_text().replace("seed_everything: 0", "seed_everything: 5"))
+    with pytest.raises(ValueError, match="frozen_seed0.json was made with setup .*config_sha256"):
+        compare_modes.main(argv)
 
 
 def test_paired_difference_and_verdict_by_hand():

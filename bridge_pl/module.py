@@ -287,7 +287,7 @@ class BridgeModule(L.LightningModule):
                 "train/groups_with_signal": float(rl.groups_with_signal(batch.rewards, batch.group_ids)),
                 "train/searches": float(batch.num_searches.float().mean()),
                 "train/turns": float(batch.turns.float().mean()),
-                # a policy drifting out of the action format (unclosed or stray tags) shows here first
+                # a policy drifting out of the action format (unclosed or stray tags) shows here during training
                 "train/valid_action_rate": float(
                     valid_action_rate(batch.valid_actions, batch.valid_actions + batch.invalid_actions)
                 ),

@@ -23,7 +23,13 @@ mode starts from; the paired difference of each mode vs ``frozen``, mean ± stan
 budget check ``frozen`` > its warm start, each reproduced, refuted or within noise by a paired t-interval whose
 error counts both the seeds and the sample of test questions, see ``claim_interval``) and
 ``<out>/compare_modes_dev_em.png`` (dev-EM curves).
-Checkpoints and the config's ``LossLandscape`` probes are left out of every run. Usage::
+**Interrupted runs.** A variant's run checkpoints after every iteration (``<runs>/<variant>_seed<seed>/checkpoints``)
+and a run started again finds its ``last.ckpt`` and resumes there (to the same weights as an uninterrupted run,
+``tests/test_fault_injection.py``), so a run longer than a session is not lost; its record's ``segments`` list each
+part (steps, seconds, peak RSS, commit), its fit time is their sum (the work redone after the interruption is not
+counted twice) and its peak memory their maximum. A checkpoint started with another setup or warm-start adapter is
+refused, naming the file; the folder is deleted once the record is written. The config's own checkpoints and
+``LossLandscape`` probes are left out of every run. Usage::
 
     python benchmarks/compare_modes.py                                   # configs/demo.yaml, seeds 0 1 2
     python benchmarks/compare_modes.py --config tests/configs/tiny.yaml --max-steps 2 --seeds 0   # plumbing
@@ -39,6 +45,7 @@ import json
 import math
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,6 +56,7 @@ from pathlib import Path
 import lightning as L
 import yaml
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from bridge_pl.bilevel import mode_arguments
 from bridge_pl.cli import BridgeCLI
@@ -77,6 +85,8 @@ HOP_RECALL = "hop recall@k"  # the query encoder on the world's own hop queries 
 NO_SEARCH = "no-search share"
 TEST_OUTCOMES = "test_outcomes"  # a run record's test EM per question id
 METRICS = [*COLUMNS, HOP_RECALL, NO_SEARCH]
+SEGMENTS = "segments"  # a run record's parts, when it was resumed (Segments)
+STARTED = "started.json"  # in a run's checkpoint folder: the setup and warm start the run began with
 
 
 class DevCurve(L.Callback):
@@ -90,6 +100,63 @@ class DevCurve(L.Callback):
         # not on_validation_epoch_end: callbacks run that hook before the module logs its metrics
         if not trainer.sanity_checking and self.key in trainer.callback_metrics:
             self.points.append((trainer.global_step, float(trainer.callback_metrics[self.key])))
+
+    def state_dict(self) -> dict:  # saved in the run's checkpoint: a resumed run keeps the points before it
+        return {"points": self.points}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.points = [tuple(point) for point in state_dict["points"]]
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is in KiB
+
+
+class ResumeCheckpoint(L.Callback):
+    """Writes ``path`` after every training iteration, or after its validation when one follows: a run resumed
+    from a checkpoint written before a validation skips that validation (Lightning counts it as done), and its
+    dev-EM point would be lost. Append it after ``DevCurve``, whose point must be in the checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        # Lightning's own test for "a validation runs after this batch" (private; tests/test_compare_modes.py pins
+        # the behaviour it gives here)
+        if not trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+            trainer.save_checkpoint(self.path)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path)
+
+
+class Segments(L.Callback):
+    """The parts of one run that was interrupted and resumed from its checkpoint, each as ``{from_step, to_step,
+    seconds, peak_rss_mb, commit}``: ``seconds`` from this part's start (just before ``trainer.fit``) to its last
+    checkpoint, or to the end for the last part. The earlier parts travel in the checkpoint."""
+
+    def __init__(self) -> None:
+        self.earlier: list[dict] = []
+        self.start, self.from_step, self.commit = time.perf_counter(), 0, commit()
+
+    def current(self, trainer: L.Trainer) -> dict:
+        return {"from_step": self.from_step, "to_step": trainer.global_step,
+                "seconds": time.perf_counter() - self.start,
+                "peak_rss_mb": peak_rss_mb(), "commit": self.commit}
+
+    def all(self, trainer: L.Trainer) -> list[dict]:
+        return [*self.earlier, self.current(trainer)]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.from_step = trainer.global_step  # after the checkpoint's loops are restored
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint[SEGMENTS] = self.all(trainer)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.earlier = checkpoint[SEGMENTS]
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -143,8 +210,8 @@ def build_cli(args: argparse.Namespace, overrides: list[str], name: str, seed: i
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # our own flags are in sys.argv
     cli = BridgeCLI(args=["--config", args.config, f"--seed_everything={seed}", f"--data.seed={seed}",
                           f"--trainer.default_root_dir={run_dir(args, name, seed)}", *extra, *overrides], run=False)
-    # no checkpoints (each run's result is its record) and no landscape probes (their time is not the mode's);
-    # the config's WarmStart runs once per seed, in the warm step
+    # not the config's checkpoints (train_and_test keeps its own, to resume) nor its landscape probes (their time is
+    # not the mode's); the config's WarmStart runs once per seed, in the warm step
     dropped = (Checkpoint, LossLandscape) if name == WARM else (Checkpoint, LossLandscape, WarmStart)
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, dropped)]
     return cli
@@ -224,15 +291,43 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
     if not any(isinstance(c, CreditReport) for c in trainer.callbacks):
         trainer.callbacks.append(CreditReport(log_train=False))
     qa_eval = predictions_writer(trainer)
-    start = time.perf_counter()
-    trainer.fit(cli.model, data)
-    fit_s = time.perf_counter() - start
+    checkpoints = run_dir(args, variant, seed) / "checkpoints"
+    resume = resumable_checkpoint(checkpoints, {"setup": setup(args, overrides), "warm_adapter": adapter_digest(warm)})
+    segments = Segments()
+    trainer.callbacks += [segments, ResumeCheckpoint(checkpoints / "last.ckpt")]  # after curve: its point is saved
+    trainer.fit(cli.model, data, ckpt_path=resume)
+    parts = segments.all(trainer)
     metrics = test_metrics(trainer, cli.model, data, qa_eval)
     return {
-        "variant": variant, "seed": seed, "fit_s": fit_s, "dev_curve": [(0, warm["dev_em"]), *curve.points],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # ru_maxrss is in KiB
+        "variant": variant, "seed": seed, "fit_s": sum(p["seconds"] for p in parts),
+        "dev_curve": [(0, warm["dev_em"]), *curve.points],
+        "peak_rss_mb": max(peak_rss_mb(), *(p["peak_rss_mb"] for p in parts)),  # this process's includes the test
+        **({SEGMENTS: parts} if len(parts) > 1 else {}),
         **metrics,
     }
+
+
+def adapter_digest(warm: dict) -> str | None:
+    """The first 16 hex digits of the SHA-256 of the warm step's saved adapter weights (None: no warm start)."""
+    if warm["adapter"] is None:
+        return None
+    return hashlib.sha256((Path(warm["adapter"]) / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+
+
+def resumable_checkpoint(checkpoints: Path, started: dict) -> Path | None:
+    """``checkpoints/last.ckpt`` when an interrupted run left it and began as this one does (``started``: the
+    setup and the warm-start adapter's digest, kept in ``STARTED``); None for a new run, whose ``started`` is
+    written down. A checkpoint of another beginning is refused: resuming it would mix two runs."""
+    last, written = checkpoints / "last.ckpt", checkpoints / STARTED
+    if last.is_file():
+        before = json.loads(written.read_text()) if written.is_file() else None
+        if before != started:
+            raise ValueError(f"compare_modes: {last} belongs to a run that began with {before}, not this step's "
+                             f"{started}; delete {checkpoints} to start the step over")
+        return last
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    written.write_text(json.dumps(started))
+    return None
 
 
 def warm_adapter(args: argparse.Namespace, seed: int) -> Path:
@@ -288,6 +383,7 @@ def finished(args: argparse.Namespace, argv: list[str], overrides: list[str], na
     record = {**run_step(args, argv, name, seed), "commit": commit(), "setup": setup(args, overrides)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
+    shutil.rmtree(run_dir(args, name, seed) / "checkpoints", ignore_errors=True)  # the record is the result
     return [record]
 
 
@@ -428,7 +524,8 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         "EM at each validation, step 0 being the warm-started policy every mode of a seed starts from (the `warm "
         "start` row: its test metrics, untrained retriever).",
         "",
-        f"Records in `{in_repository(args.records)}`, made at: " + commits_made_at([warm, *results.values()]) + ".",
+        f"Records in `{in_repository(args.records)}`, made at: " + commits_made_at([warm, *results.values()]) + "."
+        + resumed_runs(results),
         "",
         "| mode | seeds | " + " | ".join(f"test {c}" for c in METRICS)
         + " | dev-EM curve | peak RSS (MB) | fit time (s) |",
@@ -503,6 +600,14 @@ def commits_made_at(runs: list[list[dict]]) -> str:
     for record in (r for group in runs for r in group):
         counts[str(record.get("commit"))] = counts.get(str(record.get("commit")), 0) + 1
     return ", ".join(f"{c} ({n} step{'s' * (n > 1)})" for c, n in counts.items()) or "none yet"
+
+
+def resumed_runs(results: dict[str, list[dict]]) -> str:
+    """The sentence naming the records with ``segments`` (runs resumed after an interruption); "" when none."""
+    resumed = [f"{r['variant']} seed {r['seed']} ({len(r[SEGMENTS])} parts)"
+               for runs in results.values() for r in runs if SEGMENTS in r]
+    return (" Resumed after an interruption (fit time: the parts summed; peak RSS: their maximum; `segments` in the "
+            f"record): {', '.join(resumed)}.") if resumed else ""
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> None:

@@ -6,6 +6,7 @@ import math
 import shutil
 from pathlib import Path
 
+import lightning as L
 import pytest
 from helpers import TINY, load_benchmark
 
@@ -71,6 +72,60 @@ def test_a_warm_start_that_does_not_reproduce_its_record_stops_the_comparison(tm
     assert not (records / "frozen_seed0.json").exists()
 
 
+class CrashAtIteration(L.Callback):
+    """Raises when iteration ``step + 1`` starts, as an interrupted session would stop the run."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"interrupted before iteration {self.step + 1}")
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_uninterrupted_record(tmp_path, monkeypatch):
+    compare_modes = load_benchmark("compare_modes")
+    records = tmp_path / "records"
+
+    def worker(runs: str) -> list[str]:  # one frozen step of a config without a warm start, validated every iteration
+        return ["--config", TINY, "--seeds", "0", "--max-steps", "2", "--records", str(records), "--runs",
+                str(tmp_path / runs), "--data.test={world_test: world/test}", "--trainer.val_check_interval=1",
+                "--worker", "frozen", "0"]
+
+    args, overrides = compare_modes.parse_args(worker("runs"))
+    records.mkdir()
+    (records / "warm_seed0.json").write_text(json.dumps({"seed": 0, "adapter": None, "dev_em": 0.0}))
+    compare_modes.main(worker("uninterrupted"))
+    uninterrupted = json.loads((tmp_path / "uninterrupted/frozen_seed0/result.json").read_text())
+
+    build_cli = compare_modes.build_cli
+    with monkeypatch.context() as patch:
+        def crashing_cli(*a):
+            cli = build_cli(*a)
+            cli.trainer.callbacks.append(CrashAtIteration(1))
+            return cli
+        patch.setattr(compare_modes, "build_cli", crashing_cli)
+        with pytest.raises(RuntimeError, match="interrupted before iteration 2"):
+            compare_modes.main(worker("runs"))
+    checkpoints = tmp_path / "runs/frozen_seed0/checkpoints"
+    assert (checkpoints / "last.ckpt").is_file()
+    compare_modes.main(worker("runs"))
+    resumed = json.loads((tmp_path / "runs/frozen_seed0/result.json").read_text())
+
+    assert [(p["from_step"], p["to_step"]) for p in resumed["segments"]] == [(0, 1), (1, 2)]
+    assert resumed["fit_s"] == pytest.approx(sum(p["seconds"] for p in resumed["segments"]))
+    assert resumed["peak_rss_mb"] >= max(p["peak_rss_mb"] for p in resumed["segments"])
+    assert "segments" not in uninterrupted
+    assert resumed["dev_curve"] == uninterrupted["dev_curve"] and [s for s, _ in resumed["dev_curve"]] == [0, 1, 2]
+    for key in ("EM", "F1", "hop recall@k", "test_outcomes"):
+        assert resumed[key] == uninterrupted[key], key
+
+    # a checkpoint left by a run of another budget is refused, naming it, and kept
+    with pytest.raises(ValueError, match=r"frozen_seed0/checkpoints/last.ckpt belongs to a run that began with"):
+        compare_modes.main([*worker("runs"), "--max-steps", "3"])
+    assert (checkpoints / "last.ckpt").is_file()
+
+
 def frozen_record(setup: dict) -> dict:
     """A hand-made record of ``frozen`` seed 0 (test EM 0.25, dev EM 0.2 -> 0.3) with the given setup."""
     return {"variant": "frozen", "seed": 0, "fit_s": 10.0, "dev_curve": [[0, 0.2], [4, 0.3]], "peak_rss_mb": 900.0,
@@ -91,8 +146,15 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     assert "not yet run: frozen seed 1, bridge seed 0, bridge seed 1" in table
     assert "| frozen | 1 | 0.250 | 0.300 |" in table and "0.200 → 0.300" in table
     assert "| frozen | 0.250; 0.200 → 0.300 | not run |" in table  # per seed
-    assert "made at: abc1234 (1 step)." in table
+    assert "made at: abc1234 (1 step).\n" in table  # and no run was resumed
     assert "--table-only" not in table  # the command shown is the one that makes the runs
+
+
+def test_the_table_names_the_runs_that_were_resumed():
+    compare_modes = load_benchmark("compare_modes")
+    resumed = {**frozen_record({}), "seed": 1, "segments": [{"from_step": 0}, {"from_step": 5}]}
+    assert compare_modes.resumed_runs({"frozen": [frozen_record({}), resumed]}).endswith(": frozen seed 1 (2 parts).")
+    assert compare_modes.resumed_runs({"frozen": [frozen_record({})]}) == ""
 
 
 def test_a_record_made_before_the_config_was_edited_is_refused(tmp_path):

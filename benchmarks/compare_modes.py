@@ -43,6 +43,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import resource
 import shlex
 import shutil
@@ -348,7 +349,11 @@ def commit() -> str | None:
 def run_step(args: argparse.Namespace, argv: list[str], name: str, seed: int) -> dict:
     """Run one step in a subprocess (it writes ``<runs>/<name>_seed<seed>/result.json``); that result."""
     print(f"compare_modes: {name}, seed {seed}", flush=True)
-    subprocess.run([sys.executable, __file__, *argv, "--worker", name, str(seed)], check=True)
+    # the worker trains with this checkout's code, the one commit() names: without ROOT first on its path, a run from
+    # a second worktree would import bridge_pl and callbacks from wherever the package is installed (editable)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, __file__, *argv, "--worker", name, str(seed)], check=True,
+                   env={**os.environ, "PYTHONPATH": path})
     return json.loads((run_dir(args, name, seed) / "result.json").read_text())
 
 

@@ -4,6 +4,8 @@ statistics against hand-computed numbers."""
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -124,6 +126,32 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_uninterrupted_rec
     with pytest.raises(ValueError, match=r"frozen_seed0/checkpoints/last.ckpt belongs to a run that began with"):
         compare_modes.main([*worker("runs"), "--max-steps", "3"])
     assert (checkpoints / "last.ckpt").is_file()
+
+
+def test_a_worker_imports_the_code_of_the_checkout_that_runs_it(tmp_path, monkeypatch):
+    """Run from a second worktree, a worker must train with that worktree's ``bridge_pl`` and ``callbacks`` (the
+    commit its record names), not the ones the environment has installed."""
+    compare_modes = load_benchmark("compare_modes")
+    checkout = tmp_path / "worktree"
+    for package in ("bridge_pl", "callbacks"):
+        (checkout / package).mkdir(parents=True)
+        (checkout / package / "__init__.py").write_text("")
+    monkeypatch.setattr(compare_modes, "ROOT", checkout)
+    args, _ = compare_modes.parse_args(["--runs", str(tmp_path / "runs")])
+
+    run = subprocess.run
+
+    def worker(command, check, env):  # the worker's interpreter and environment, asked where its imports come from
+        code = "import bridge_pl, callbacks, json; print(json.dumps({'EM': [bridge_pl.__file__, callbacks.__file__]}))"
+        # (from another folder: ``python -c`` would put the current one first, a script's run puts its own)
+        out = run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+        result = compare_modes.run_dir(args, "frozen", 0) / "result.json"
+        result.parent.mkdir(parents=True)
+        result.write_text(out.stdout)
+
+    monkeypatch.setattr(compare_modes.subprocess, "run", worker)
+    imported = compare_modes.run_step(args, [], "frozen", 0)["EM"]
+    assert imported == [str(checkout / "bridge_pl/__init__.py"), str(checkout / "callbacks/__init__.py")]
 
 
 def frozen_record(setup: dict) -> dict:

@@ -293,7 +293,8 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
         trainer.callbacks.append(CreditReport(log_train=False))
     qa_eval = predictions_writer(trainer)
     checkpoints = run_dir(args, variant, seed) / "checkpoints"
-    resume = resumable_checkpoint(checkpoints, {"setup": setup(args, overrides), "warm_adapter": adapter_digest(warm)})
+    started = {"setup": setup(args, overrides), "warm_adapter": adapter_digest(args, seed, warm)}
+    resume = resumable_checkpoint(checkpoints, started)
     segments = Segments()
     trainer.callbacks += [segments, ResumeCheckpoint(checkpoints / "last.ckpt")]  # after curve: its point is saved
     trainer.fit(cli.model, data, ckpt_path=resume)
@@ -308,11 +309,12 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
     }
 
 
-def adapter_digest(warm: dict) -> str | None:
-    """The first 16 hex digits of the SHA-256 of the warm step's saved adapter weights (None: no warm start)."""
+def adapter_digest(args: argparse.Namespace, seed: int, warm: dict) -> str | None:
+    """The first 16 hex digits of the SHA-256 of the seed's warm-start adapter weights (None: no warm start)."""
     if warm["adapter"] is None:
         return None
-    return hashlib.sha256((Path(warm["adapter"]) / "adapter_model.safetensors").read_bytes()).hexdigest()[:16]
+    weights = warm_adapter(args, seed) / "adapter_model.safetensors"
+    return hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
 
 
 def resumable_checkpoint(checkpoints: Path, started: dict) -> Path | None:

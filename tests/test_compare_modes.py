@@ -94,7 +94,6 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_uninterrupted_rec
                 str(tmp_path / runs), "--data.test={world_test: world/test}", "--trainer.val_check_interval=1",
                 "--worker", "frozen", "0"]
 
-    args, overrides = compare_modes.parse_args(worker("runs"))
     records.mkdir()
     (records / "warm_seed0.json").write_text(json.dumps({"seed": 0, "adapter": None, "dev_em": 0.0}))
     compare_modes.main(worker("uninterrupted"))

@@ -44,6 +44,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import resource
 import shlex
 import shutil
@@ -55,15 +56,18 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import torch
+import transformers
 import yaml
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.trainer.states import TrainerFn
 
 from bridge_pl.bilevel import mode_arguments
 from bridge_pl.cli import BridgeCLI
 from bridge_pl.data.qa import QAExample
 from bridge_pl.data.world import hop_probes
 from bridge_pl.module import BridgeModule
+from bridge_pl.policy import resolve_dtype
+from callbacks.checkpoint import ValidatedCheckpoint
 from callbacks.credit_report import CreditReport
 from callbacks.landscape import LossLandscape
 from callbacks.qa_eval import QAEval
@@ -112,25 +116,6 @@ class DevCurve(L.Callback):
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is in KiB
-
-
-class ResumeCheckpoint(L.Callback):
-    """Writes ``path`` after every training iteration, or after its validation when one follows: a run resumed
-    from a checkpoint written before a validation skips that validation (Lightning counts it as done), and its
-    dev-EM point would be lost. Append it after ``DevCurve``, whose point must be in the checkpoint."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        # Lightning's own test for "a validation runs after this batch" (private; tests/test_compare_modes.py pins
-        # the behaviour it gives here)
-        if not trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
-            trainer.save_checkpoint(self.path)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
-            trainer.save_checkpoint(self.path)
 
 
 class Segments(L.Callback):
@@ -296,7 +281,9 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
     started = {"setup": setup(args, overrides), "warm_adapter": adapter_digest(args, seed, warm)}
     resume = resumable_checkpoint(checkpoints, started)
     segments = Segments()
-    trainer.callbacks += [segments, ResumeCheckpoint(checkpoints / "last.ckpt")]  # after curve: its point is saved
+    # <checkpoints>/last.ckpt after every iteration, after its validation when one follows (the curve's point in it)
+    trainer.callbacks += [segments, ValidatedCheckpoint(dirpath=checkpoints, every_n_train_steps=1, save_last=True,
+                                                        save_top_k=0)]
     trainer.fit(cli.model, data, ckpt_path=resume)
     parts = segments.all(trainer)
     metrics = test_metrics(trainer, cli.model, data, qa_eval)
@@ -348,6 +335,15 @@ def commit() -> str | None:
     return head.stdout.strip() + ("+changes" if dirty else "")
 
 
+def machine() -> dict:
+    """What a run's numbers depend on beyond the code and the setup: the CPU, the dtype the configs' ``auto`` gives
+    the policy here (bfloat16 only with AVX512-BF16/AMX, else float32), and the torch and transformers versions."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+    return {"cpu": cpu, "auto_dtype": str(resolve_dtype("auto")).removeprefix("torch."), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
 def run_step(args: argparse.Namespace, argv: list[str], name: str, seed: int) -> dict:
     """Run one step in a subprocess (it writes ``<runs>/<name>_seed<seed>/result.json``); that result."""
     print(f"compare_modes: {name}, seed {seed}", flush=True)
@@ -367,10 +363,13 @@ def ensure_warm_adapter(args: argparse.Namespace, argv: list[str], seed: int) ->
         return
     remade = run_step(args, argv, WARM, seed)
     if remade["dev_em"] != recorded["dev_em"]:
+        here = machine()
+        where = ("" if recorded.get("machine") == here else
+                 f" (recorded on {recorded.get('machine', 'a machine not recorded')}; this is {here})")
         raise RuntimeError(
             f"compare_modes: the warm start of seed {seed} made again reached dev EM {remade['dev_em']}, but "
-            f"{record_path(args, WARM, seed)} records {recorded['dev_em']}: the variants would not share a start; "
-            "delete that seed's records to redo the seed")
+            f"{record_path(args, WARM, seed)} records {recorded['dev_em']}{where}: the variants would not share a "
+            "start; delete that seed's records to redo the seed")
 
 
 def finished(args: argparse.Namespace, argv: list[str], overrides: list[str], name: str, seed: int) -> list[dict]:
@@ -387,7 +386,8 @@ def finished(args: argparse.Namespace, argv: list[str], overrides: list[str], na
         return []
     if name != WARM:
         ensure_warm_adapter(args, argv, seed)
-    record = {**run_step(args, argv, name, seed), "commit": commit(), "setup": setup(args, overrides)}
+    record = {**run_step(args, argv, name, seed), "commit": commit(), "setup": setup(args, overrides),
+              "machine": machine()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
     shutil.rmtree(run_dir(args, name, seed) / "checkpoints", ignore_errors=True)  # the record is the result
@@ -531,7 +531,9 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         "EM at each validation, step 0 being the warm-started policy every mode of a seed starts from (the `warm "
         "start` row: its test metrics, untrained retriever).",
         "",
-        f"Records in `{in_repository(args.records)}`, made at: " + commits_made_at([warm, *results.values()]) + "."
+        f"Records in `{in_repository(args.records)}`, made at: "
+        + counted([warm, *results.values()], lambda r: str(r.get("commit"))) + "; on: "
+        + counted([warm, *results.values()], machine_name) + "."
         + resumed_runs(results),
         "",
         "| mode | seeds | " + " | ".join(f"test {c}" for c in METRICS)
@@ -601,12 +603,22 @@ def per_seed_table(rows: list[tuple[str, list[dict]]], seeds: list[int]) -> list
     return lines
 
 
-def commits_made_at(runs: list[list[dict]]) -> str:
-    """``abc1234 (5 steps), def5678+changes (2 steps)``: the commits the records were made at, in first-seen order."""
+def counted(runs: list[list[dict]], describe) -> str:
+    """``abc1234 (5 steps), def5678+changes (2 steps)``: ``describe(record)`` of the records (e.g. the commit they
+    were made at), each with how many records give it, in first-seen order."""
     counts: dict[str, int] = {}
     for record in (r for group in runs for r in group):
-        counts[str(record.get("commit"))] = counts.get(str(record.get("commit")), 0) + 1
+        counts[describe(record)] = counts.get(describe(record), 0) + 1
     return ", ".join(f"{c} ({n} step{'s' * (n > 1)})" for c, n in counts.items()) or "none yet"
+
+
+def machine_name(record: dict) -> str:
+    """``AMD EPYC, float32 policy, torch 2.13.0+cpu, transformers 5.25.0``; records made before machines were
+    recorded say so."""
+    if "machine" not in record:
+        return "machine not recorded"
+    m = record["machine"]
+    return f"{m['cpu']}, {m['auto_dtype']} policy, torch {m['torch']}, transformers {m['transformers']}"
 
 
 def resumed_runs(results: dict[str, list[dict]]) -> str:

@@ -3,6 +3,7 @@
 Each module is thin and calls into ``bridge_pl``.
 """
 
+from callbacks.checkpoint import ValidatedCheckpoint
 from callbacks.credit_report import CreditReport
 from callbacks.index_refresh import IndexRefresh
 from callbacks.landscape import LossLandscape
@@ -10,4 +11,6 @@ from callbacks.progress import BridgeProgressBar
 from callbacks.qa_eval import QAEval
 from callbacks.warm_start import WarmStart
 
-__all__ = ["BridgeProgressBar", "CreditReport", "IndexRefresh", "LossLandscape", "QAEval", "WarmStart"]
+__all__ = [
+    "BridgeProgressBar", "CreditReport", "IndexRefresh", "LossLandscape", "QAEval", "ValidatedCheckpoint", "WarmStart",
+]

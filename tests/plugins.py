@@ -85,16 +85,23 @@ class DistinctWordsReward(RewardFunction):
 
 
 class StepLog(L.Callback):
-    """Appends ``{"step": n, <loss/... and grad_norm/...>: value}`` per finished iteration to a jsonl file
-    (flushed and synced, so it survives SIGKILL)."""
+    """Appends ``{"step": n, <loss/... and grad_norm/...>: value}`` per finished iteration and ``{"val_step": n,
+    <val/...>: value}`` per finished validation to a jsonl file (flushed and synced, so it survives SIGKILL)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("loss/", "grad_norm/"))}
+        self._append(trainer, "step", ("loss/", "grad_norm/"))
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self._append(trainer, "val_step", ("val/",))
+
+    def _append(self, trainer, key: str, prefixes: tuple[str, ...]) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefixes)}
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": trainer.global_step, **metrics}) + "\n")
+            f.write(json.dumps({key: trainer.global_step, **metrics}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

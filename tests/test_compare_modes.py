@@ -173,8 +173,23 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     assert "not yet run: frozen seed 1, bridge seed 0, bridge seed 1" in table
     assert "| frozen | 1 | 0.250 | 0.300 |" in table and "0.200 → 0.300" in table
     assert "| frozen | 0.250; 0.200 → 0.300 | not run |" in table  # per seed
-    assert "made at: abc1234 (1 step).\n" in table  # and no run was resumed
+    assert "made at: abc1234 (1 step); on: machine not recorded (1 step).\n" in table  # and no run was resumed
     assert "--table-only" not in table  # the command shown is the one that makes the runs
+
+
+def test_a_warm_start_that_does_not_reproduce_names_the_machines(tmp_path, monkeypatch):
+    """The usual cause is another CPU: without AVX512-BF16/AMX the configs' ``auto`` dtype is float32, not bfloat16."""
+    compare_modes = load_benchmark("compare_modes")
+    args, _ = compare_modes.parse_args(["--records", str(tmp_path / "records"), "--runs", str(tmp_path / "runs")])
+    elsewhere = {"cpu": "Intel Xeon", "auto_dtype": "bfloat16", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
+    record = compare_modes.record_path(args, compare_modes.WARM, 0)
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"seed": 0, "adapter": "somewhere", "dev_em": 0.2, "machine": elsewhere}))
+    monkeypatch.setattr(compare_modes, "run_step", lambda *_: {"dev_em": 0.1})
+    with pytest.raises(RuntimeError, match="reached dev EM 0.1") as error:
+        compare_modes.ensure_warm_adapter(args, [], 0)
+    assert f"recorded on {elsewhere}; this is {compare_modes.machine()}" in str(error.value)
+    assert str(record) in str(error.value)
 
 
 def test_the_table_names_the_runs_that_were_resumed():

@@ -1,6 +1,6 @@
 """Crash safety: a tiny ``bridge-pl fit`` is SIGKILLed at five different points and rerun with ``--ckpt_path last``;
 the resumed run ends with the same trained weights (LoRA, query encoder, ψ, optimizer-visible state) and logs the
-same per-iteration losses as a run that was never interrupted.
+same per-iteration losses and the same validations (steps and metrics) as a run that was never interrupted.
 
 Each run is a real subprocess (a SIGKILL cannot be caught); ``plugins.KillAt`` picks the point.
 """
@@ -20,14 +20,14 @@ COMMON = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.enable_checkpointing=true",
     "--data.reward=plugins.DistinctWordsReward", "--model.retriever.init_args.passage_tower=tied",
     "--trainer.callbacks+=callbacks.index_refresh.IndexRefresh", "--trainer.callbacks.every_n_steps=2",
-    "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+    "--trainer.callbacks+=callbacks.checkpoint.ValidatedCheckpoint",
     "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true",
     "--trainer.callbacks+=plugins.SearchSteer",
 ]
 KILL_POINTS = {  # point -> which pass through it (1-based) is killed
     "rollout": 5,  # an env step of the second iteration's rollout
     "update": 5,  # an optimizer step of the second iteration
-    "checkpoint": 3,  # the checkpoint written after the second iteration, before its rename
+    "checkpoint": 3,  # the checkpoint written after the second iteration (and its validation), before its rename
     "validation": 1,  # the first validation batch (after iteration 2)
     "refresh": 1,  # the first index rebuild
 }
@@ -46,10 +46,11 @@ def final_state(root: Path) -> dict[str, torch.Tensor]:
     return torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
 
-def step_losses(root: Path) -> dict[int, dict]:
-    """The last logged losses of each iteration (an iteration redone after a crash is logged twice)."""
+def logged(root: Path, key: str) -> dict[int, dict]:
+    """The last logged metrics at each step (``key="step"``: an iteration's losses; ``"val_step"``: a validation's
+    metrics); an iteration or validation redone after a crash is logged twice."""
     rows = [json.loads(line) for line in (root / "steps.jsonl").read_text().splitlines()]
-    return {row.pop("step"): row for row in rows}
+    return {row.pop(key): row for row in rows if key in row}
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +76,13 @@ def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, uni
     assert set(got) == set(want)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
-    got_logs, want_logs = step_losses(tmp_path), step_losses(uninterrupted)
-    assert sorted(got_logs) == sorted(want_logs) == [1, 2, 3, 4]
-    for step, logged in want_logs.items():
-        assert got_logs[step].keys() == logged.keys()
-        assert [got_logs[step][k] for k in logged] == pytest.approx(list(logged.values()), rel=1e-4, abs=1e-6,
-                                                                    nan_ok=True)  # nan: no θ step
-    assert any(v != 0 for row in want_logs.values() for k, v in row.items() if k.startswith("grad_norm/phi"))
+    for key, steps in [("step", [1, 2, 3, 4]), ("val_step", [2, 4])]:  # a validation is not skipped on resume
+        got_logs, want_logs = logged(tmp_path, key), logged(uninterrupted, key)
+        assert sorted(got_logs) == sorted(want_logs) == steps, key
+        for step, want in want_logs.items():
+            assert got_logs[step].keys() == want.keys()
+            assert [got_logs[step][k] for k in want] == pytest.approx(list(want.values()), rel=1e-4, abs=1e-6,
+                                                                      nan_ok=True)  # nan: no θ step
+    phi_grads = [v for row in logged(uninterrupted, "step").values() for k, v in row.items()
+                 if k.startswith("grad_norm/phi")]
+    assert any(v != 0 for v in phi_grads)

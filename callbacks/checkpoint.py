@@ -1,0 +1,48 @@
+"""``ValidatedCheckpoint``: Lightning's ``ModelCheckpoint`` whose iteration-triggered save waits for the validation
+that follows the same iteration.
+
+Why: Lightning counts the validation after an iteration as done once that iteration is checkpointed, so a run
+resumed (``--ckpt_path last``) from a checkpoint written before its validation never runs that validation, and its
+dev point (``val/<dev>/em`` at that step, the curve the demo and ``compare_modes`` report) is lost. Written after the
+validation instead, the checkpoint holds that point, and a crash during the validation resumes from the previous
+checkpoint and does the iteration and the validation again. Checkpoint callbacks run last among the callbacks
+(Lightning orders them so), so every callback's validation state is in the file.
+
+Everything else is ``ModelCheckpoint``'s (``every_n_train_steps``, ``save_last``, ``save_top_k``, ``monitor``,
+``--ckpt_path last``); a monitored ``val/...`` metric is available at every save that follows a validation.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+
+
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether a validation with at least one batch runs right after the training iteration that just ended.
+
+    Uses the training loop's own test (Lightning-private; ``tests/test_fault_injection.py`` and
+    ``tests/test_checkpoint.py`` pin what it gives); a validation without batches (no dev set) never calls
+    ``on_validation_end``, so it does not count.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        return False
+    epoch_loop.val_loop.setup_data()  # what the loop does next anyway (a no-op once set up)
+    return not epoch_loop.val_loop.skip
+
+
+class ValidatedCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` (same arguments) that saves an iteration followed by a validation after that validation."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        if not validation_follows(trainer):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            # the iteration's own save, deferred to here (skipped if this step is saved already)
+            super().on_train_batch_end(trainer, pl_module, None, None, trainer.fit_loop.epoch_loop.batch_idx)

@@ -336,8 +336,9 @@ def commit() -> str | None:
 
 
 def machine() -> dict:
-    """What a run's numbers depend on beyond the code and the setup: the CPU, the dtype the configs' ``auto`` gives
-    the policy here (bfloat16 only with AVX512-BF16/AMX, else float32), and the torch and transformers versions."""
+    """What a run's numbers depend on beyond the code and the setup: the CPU, the dtype that the policy's default
+    ``auto`` resolves to here (bfloat16 only with AVX512-BF16/AMX, else float32), and the torch and transformers
+    versions."""
     lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
     return {"cpu": cpu, "auto_dtype": str(resolve_dtype("auto")).removeprefix("torch."), "torch": torch.__version__,

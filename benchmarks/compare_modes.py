@@ -10,13 +10,14 @@ retrieval-miss share and recall@k; ``hop recall@k``), from ``QAEval``'s predicti
 and the share of questions answered without a search, and its own peak RSS and fit time, into
 ``<runs>/<variant>_seed<seed>/result.json``.
 
-**Records.** Each finished step's result, with the commit it ran at and its setup (config and a digest of its
-content, ``--max-steps``, overrides), is also written to ``<records>/<name>_seed<seed>.json`` (default
-``<out>/compare_modes_runs``, a few KB each, meant to be committed). The table is built from the records, and a step
-with a record is not run again (delete the record to redo one), so a comparison that takes longer than one machine
-session resumes from a fresh clone: a variant whose seed's warm-start adapter is missing from ``<runs>`` makes the
-warm start again first, and the run stops if that warm start's dev EM differs from its record's (the variants would
-not share a start). A record made with another setup is refused, naming the file.
+**Records.** Each finished step's result, with the commit it ran at, its setup (config and a digest of its
+content, ``--max-steps``, overrides) and its machine (``machine``), is also written to
+``<records>/<name>_seed<seed>.json`` (default ``<out>/compare_modes_runs``, a few KB each, meant to be committed). The
+table is built from the records, and a step with a record is not run again (delete the record to redo one), so a
+comparison that takes longer than one machine session resumes from a fresh clone: a variant whose seed's warm-start
+adapter is missing from ``<runs>`` makes the warm start again first, and the run stops if that warm start's dev EM
+differs from its record's (the variants would not share a start; on another CPU the policy's ``auto`` dtype may
+differ, and the error names both machines). A record made with another setup is refused, naming the file.
 
 Outputs: ``<out>/compare_modes.md`` (per mode, mean ± std over seeds, with a ``warm start`` row for the policy every
 mode starts from; the paired difference of each mode vs ``frozen``, mean ± standard error; the paper's claims and the

@@ -177,6 +177,19 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     assert "--table-only" not in table  # the command shown is the one that makes the runs
 
 
+@pytest.mark.parametrize(("budget", "records"), [
+    (["--max-steps", "8", "--trainer.val_check_interval=4"], "compare_modes_runs"),
+    (["--max-steps", "24", "--trainer.val_check_interval=8"], "compare_modes_24/compare_modes_runs"),
+])
+def test_the_committed_records_still_match_their_config(tmp_path, budget, records):
+    """The README's tables are rebuilt from the committed records, which are keyed by a digest of
+    ``configs/demo.yaml``: an edit to that file makes every record refused (delete them on purpose, or leave it)."""
+    compare_modes = load_benchmark("compare_modes")
+    folder = Path(__file__).resolve().parents[1] / "benchmarks/results" / records
+    compare_modes.main([*budget, "--table-only", "--records", str(folder), "--out", str(tmp_path)])
+    assert "| frozen | 3 |" in (tmp_path / "compare_modes.md").read_text()
+
+
 def test_a_warm_start_that_does_not_reproduce_names_the_machines(tmp_path, monkeypatch):
     """The usual cause is another CPU: without AVX512-BF16/AMX the configs' ``auto`` dtype is float32, not bfloat16."""
     compare_modes = load_benchmark("compare_modes")

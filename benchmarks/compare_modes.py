@@ -609,8 +609,8 @@ def counted(runs: list[list[dict]], describe) -> str:
     """``abc1234 (5 steps), def5678+changes (2 steps)``: ``describe(record)`` of the records (e.g. the commit they
     were made at), each with how many records give it, in first-seen order."""
     counts: dict[str, int] = {}
-    for record in (r for group in runs for r in group):
-        counts[describe(record)] = counts.get(describe(record), 0) + 1
+    for label in (describe(r) for group in runs for r in group):
+        counts[label] = counts.get(label, 0) + 1
     return ", ".join(f"{c} ({n} step{'s' * (n > 1)})" for c, n in counts.items()) or "none yet"
 
 

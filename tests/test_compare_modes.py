@@ -191,7 +191,8 @@ def test_the_committed_records_still_match_their_config(tmp_path, budget, record
 
 
 def test_a_warm_start_that_does_not_reproduce_names_the_machines(tmp_path, monkeypatch):
-    """The usual cause is another CPU: without AVX512-BF16/AMX the configs' ``auto`` dtype is float32, not bfloat16."""
+    """The usual cause is another CPU: without AVX512-BF16/AMX the policy's default ``auto`` dtype is float32, not
+    bfloat16."""
     compare_modes = load_benchmark("compare_modes")
     args, _ = compare_modes.parse_args(["--records", str(tmp_path / "records"), "--runs", str(tmp_path / "runs")])
     elsewhere = {"cpu": "Intel Xeon", "auto_dtype": "bfloat16", "torch": "2.13.0+cpu", "transformers": "5.24.0"}

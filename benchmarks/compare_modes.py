@@ -10,8 +10,8 @@ retrieval-miss share and recall@k; ``hop recall@k``), from ``QAEval``'s predicti
 and the share of questions answered without a search, and its own peak RSS and fit time, into
 ``<runs>/<variant>_seed<seed>/result.json``.
 
-**Records.** Each finished step's result, with the commit it ran at, its setup (config and a digest of its
-content, ``--max-steps``, overrides) and its machine (``machine``), is also written to
+**Records.** Each finished step's result, with the commit it ran at, its setup (config and a digest of what
+the runs use of it, ``config_digest``; ``--max-steps``, overrides) and its machine (``machine``), is also written to
 ``<records>/<name>_seed<seed>.json`` (default ``<out>/compare_modes_runs``, a few KB each, meant to be committed). The
 table is built from the records, and a step with a record is not run again (delete the record to redo one), so a
 comparison that takes longer than one machine session resumes from a fresh clone: a variant whose seed's warm-start
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import math
 import os
@@ -93,6 +94,9 @@ TEST_OUTCOMES = "test_outcomes"  # a run record's test EM per question id
 METRICS = [*COLUMNS, HOP_RECALL, NO_SEARCH]
 SEGMENTS = "segments"  # a run record's parts, when it was resumed (Segments)
 STARTED = "started.json"  # in a run's checkpoint folder: the setup and warm start the run began with
+# the config's callbacks that no run keeps: its checkpoints (a run keeps its own, to resume) and its landscape probes
+# (their time is not the mode's)
+DROPPED = (Checkpoint, LossLandscape)
 
 
 class DevCurve(L.Callback):
@@ -180,10 +184,30 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 def config_digest(path: str) -> str:
-    """The first 16 hex digits of the SHA-256 of the config's parsed content (comments and layout do not count, an
-    edited value does: records made before the edit are refused instead of mixed in)."""
-    content = json.dumps(yaml.safe_load(Path(path).read_text()), sort_keys=True)
-    return hashlib.sha256(content.encode()).hexdigest()[:16]
+    """The first 16 hex digits of the SHA-256 of what the runs use of the config: its parsed content (comments and
+    layout do not count) without what every run replaces or drops (``seed_everything`` and
+    ``trainer.default_root_dir``, set per run; the ``DROPPED`` callbacks). An edited value that the runs use counts:
+    records made before the edit are refused instead of mixed in."""
+    config = yaml.safe_load(Path(path).read_text())
+    config.pop("seed_everything", None)
+    trainer = config.get("trainer") or {}
+    trainer.pop("default_root_dir", None)
+    kept = [c for c in trainer.pop("callbacks", None) or [] if not dropped_by_runs(c)]
+    if kept:  # none kept reads as none listed
+        trainer["callbacks"] = kept
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def dropped_by_runs(callback: dict | str) -> bool:
+    """Whether a config's ``trainer.callbacks`` entry names a ``DROPPED`` class by its full import path (a name that
+    does not import, or a short one, counts as kept)."""
+    class_path = callback.get("class_path", "") if isinstance(callback, dict) else callback
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError):
+        cls = None
+    return isinstance(cls, type) and issubclass(cls, DROPPED)
 
 
 def in_repository(path: str) -> str:
@@ -197,9 +221,8 @@ def build_cli(args: argparse.Namespace, overrides: list[str], name: str, seed: i
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # our own flags are in sys.argv
     cli = BridgeCLI(args=["--config", args.config, f"--seed_everything={seed}", f"--data.seed={seed}",
                           f"--trainer.default_root_dir={run_dir(args, name, seed)}", *extra, *overrides], run=False)
-    # not the config's checkpoints (train_and_test keeps its own, to resume) nor its landscape probes (their time is
-    # not the mode's); the config's WarmStart runs once per seed, in the warm step
-    dropped = (Checkpoint, LossLandscape) if name == WARM else (Checkpoint, LossLandscape, WarmStart)
+    # the config's WarmStart runs once per seed, in the warm step
+    dropped = DROPPED if name == WARM else (*DROPPED, WarmStart)
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, dropped)]
     return cli
 

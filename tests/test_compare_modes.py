@@ -182,8 +182,8 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     (["--max-steps", "24", "--trainer.val_check_interval=8"], "compare_modes_24/compare_modes_runs"),
 ])
 def test_the_committed_records_still_match_their_config(tmp_path, budget, records):
-    """The README's tables are rebuilt from the committed records, which are keyed by a digest of
-    ``configs/demo.yaml``: an edit to that file makes every record refused (delete them on purpose, or leave it)."""
+    """The README's tables are rebuilt from the committed records, which are keyed by a digest of what the runs use of
+    ``configs/demo.yaml``: an edit to that makes every record refused (delete them on purpose, or leave it)."""
     compare_modes = load_benchmark("compare_modes")
     folder = Path(__file__).resolve().parents[1] / "benchmarks/results" / records
     compare_modes.main([*budget, "--table-only", "--records", str(folder), "--out", str(tmp_path)])
@@ -225,9 +225,17 @@ def test_a_record_made_before_the_config_was_edited_is_refused(tmp_path):
     (records / "frozen_seed0.json").write_text(json.dumps(frozen_record(compare_modes.setup(args, overrides))))
     config.write_text("# a comment and another layout do not change the content\n" + Path(TINY).read_text() + "\n")
     compare_modes.main(argv)
-    config.write_text(Path(TINY).read_text().replace("seed_everything: 0", "seed_everything: 5"))
-    with pytest.raises(ValueError, match="frozen_seed0.json was made with setup .*config_sha256"):
-        compare_modes.main(argv)
+    # nor what every run sets or drops: the seed, the run folder, the config's checkpoints and landscape probes
+    runs_replace = Path(TINY).read_text().replace("seed_everything: 0", "seed_everything: 5").replace(
+        "  accelerator: cpu\n", "  accelerator: cpu\n  default_root_dir: elsewhere\n  callbacks:\n"
+        "    - class_path: callbacks.ValidatedCheckpoint\n    - class_path: callbacks.LossLandscape\n")
+    config.write_text(runs_replace)
+    compare_modes.main(argv)
+    for edited in (Path(TINY).read_text().replace("n_samples: 2", "n_samples: 3"),
+                   runs_replace.replace("callbacks.LossLandscape", "callbacks.CreditReport")):
+        config.write_text(edited)
+        with pytest.raises(ValueError, match="frozen_seed0.json was made with setup .*config_sha256"):
+            compare_modes.main(argv)
 
 
 def test_paired_difference_and_verdict_by_hand():

@@ -86,6 +86,15 @@ class BranchedSequence(NamedTuple):
         return len(self.prefix) + sum(len(b) + len(self.target) for b in self.branches)
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant ``torch.utils.checkpoint``), under
+    the method's current name (transformers >= 5.25; the older ``gradient_checkpointing_enable`` warns there)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class Policy(nn.Module):
     """Causal-LM policy π_θ.
 
@@ -145,7 +154,7 @@ class Policy(nn.Module):
         base = load_causal_lm(model, dtype=self.weight_dtype, **kwargs)
         use_decode_attention(base)  # SDPA, but a matmul path for one-token decode steps (bridge_pl.attention)
         if gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(base)
         self.reference: nn.Module | None = None  # full fine-tuning: frozen copy of the reference weights
         self.reference_adapter: dict[str, torch.Tensor] | None = None  # LoRA: reference adapter weights
         if lora:

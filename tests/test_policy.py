@@ -1,12 +1,14 @@
 """Policy: chunked masked log-probs, the adapter-off reference, peft-format adapters, PPO value head."""
 
+import warnings
+
 import pytest
 import torch
 from helpers import fit_tiny
 from peft import PeftModel
 
 from bridge_pl.models import load_causal_lm
-from bridge_pl.policy import BranchedSequence, Policy
+from bridge_pl.policy import BranchedSequence, Policy, enable_activation_checkpointing
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchCall, SearchOutcome, Trajectory
 
@@ -225,3 +227,11 @@ def test_a_built_policy_trains_with_activation_checkpointing(tmp_path, start):
     ids = torch.randint(0, 1000, (2, 8))
     policy(ids, torch.ones_like(ids))[0].sum().backward()
     assert len(checkpointed) == len(layers) > 0
+
+
+def test_activation_checkpointing_is_enabled_without_a_deprecation_warning():
+    model = load_causal_lm("tiny-llama", dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enable_activation_checkpointing(model)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import fit_tiny, tiny_cli
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from bridge_pl.rollout.batch import RolloutBatch
+from callbacks.checkpoint import ValidatedCheckpoint
 
 MODES = ["frozen", "policy_first", "retriever_first", "bridge", "implicit"]
 DDP_MODES = ["frozen", "bridge"]
@@ -124,6 +124,8 @@ def test_two_processes_make_the_one_process_update_on_the_same_global_batch(two_
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
 def test_fsdp2_resume_from_a_sharded_checkpoint_repeats_the_next_steps(tmp_path):
+    """``ValidatedCheckpoint`` on two ranks: iteration 2's sharded save waits for the validation after it (a
+    collective write, so both ranks must defer alike), and the run resumed from it repeats iteration 3."""
     _run_2proc(tmp_path, "resume")
     whole = torch.load(tmp_path / "whole" / "weights.pt")
     resumed = torch.load(tmp_path / "resumed" / "weights.pt")
@@ -291,12 +293,14 @@ def main(out: Path, job: str) -> None:
     for name in ("whole", "first", "resumed"):
         (out / name).mkdir(parents=True, exist_ok=True)
 
-    def checkpoints() -> ModelCheckpoint:
-        return ModelCheckpoint(dirpath=out / "first" / "checkpoints", every_n_train_steps=1, save_last=True)
+    def checkpoints() -> ValidatedCheckpoint:  # iteration 2's sharded save waits for its validation, on both ranks
+        return ValidatedCheckpoint(dirpath=out / "first" / "checkpoints", every_n_train_steps=1, save_last=True)
 
-    fit_tiny(out / "whole", *fsdp2, "--trainer.max_steps=3", callbacks=(RecordSteps(out / "whole"),))
-    fit_tiny(out / "first", *fsdp2, "--trainer.max_steps=2", callbacks=(RecordSteps(out / "first"), checkpoints()))
-    fit_tiny(out / "first", *fsdp2, "--trainer.max_steps=3", ckpt_path="last",
+    validated = (*fsdp2, "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1")
+    fit_tiny(out / "whole", *validated, "--trainer.max_steps=3", callbacks=(RecordSteps(out / "whole"),))
+    fit_tiny(out / "first", *validated, "--trainer.max_steps=2",
+             callbacks=(RecordSteps(out / "first"), checkpoints()))
+    fit_tiny(out / "first", *validated, "--trainer.max_steps=3", ckpt_path="last",
              callbacks=(RecordSteps(out / "resumed"), checkpoints()))
 
 

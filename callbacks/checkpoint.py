@@ -14,6 +14,8 @@ Everything else is ``ModelCheckpoint``'s (``every_n_train_steps``, ``save_last``
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
@@ -39,10 +41,17 @@ class ValidatedCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
         if not validation_follows(trainer):
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            self._save_iteration(trainer, pl_module, batch_idx)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             # the iteration's own save, deferred to here (skipped if this step is saved already)
-            super().on_train_batch_end(trainer, pl_module, None, None, trainer.fit_loop.epoch_loop.batch_idx)
+            self._save_iteration(trainer, pl_module, trainer.fit_loop.epoch_loop.batch_idx)
+
+    def _save_iteration(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+        with warnings.catch_warnings():
+            # Lightning warns that a manually optimized module is saved after its optimizer step, not before: for an
+            # RL iteration that is the state a resumed run must start from
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+            super().on_train_batch_end(trainer, pl_module, None, None, batch_idx)

@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # GPU check of the scale-out path: two iterations of the Qwen2.5-3B BRIDGE recipe's shapes with tiny models on one
-# GPU, (1) under strategy fsdp2 in bf16 with the FAISS index on the GPU, (2) QLoRA (4-bit NF4 base, LoRA) on one
-# device, both with PPO (so every iteration steps θ). Prints each run's update time per iteration and peak GPU memory. Needs a CUDA GPU, faiss-gpu and bitsandbytes:
+# GPU, (1) under strategy fsdp2 at the recipe's precision (bf16-mixed: float32 weights, bf16 compute) with the FAISS
+# index on the GPU, (2) QLoRA (4-bit NF4 base computing in bf16, float32 LoRA weights) on one device, both with PPO
+# (so every iteration steps θ). Prints each run's update time per iteration and peak GPU memory. Needs a CUDA GPU, faiss-gpu and bitsandbytes:
 #   make install EXTRAS=gpu TORCH=torch && bash benchmarks/gpu_check.sh
 # ACCELERATOR=cpu runs the same two fits on CPU in float32 (no GPU-only checks): a dry run of this script.
+# FAISS_GPU=0 accepts a faiss build without GPU support (faiss-cpu): the index then stays on the CPU and the
+# printed line says so. PY names the Python to use (default: the project's .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 ACCELERATOR=${ACCELERATOR:-gpu}
+FAISS_GPU=${FAISS_GPU:-1}
 OUT=$(mktemp -d)
 if [ "$ACCELERATOR" = gpu ]; then
-  PRECISION=bf16-true
-  DTYPE=bfloat16
+  PRECISION=bf16-mixed
+  DTYPE=bfloat16  # the QLoRA base's compute dtype
   $PY -c "import torch, faiss; assert torch.cuda.is_available(), 'no CUDA GPU'; \
-assert faiss.get_num_gpus() > 0, 'faiss has no GPU support: install bridge-pl[gpu]'"
+assert $FAISS_GPU == 0 or faiss.get_num_gpus() > 0, \
+'faiss has no GPU support: install bridge-pl[gpu], or set FAISS_GPU=0 to check the rest with the index on the CPU'"
 else
   PRECISION=32-true
   DTYPE=float32
@@ -61,10 +66,11 @@ index = getattr(cli.model.retriever, "index", None)
 peak = f"{torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if gpu else "n/a (CPU)"
 print(f"gpu_check {name}: strategy={type(cli.trainer.strategy).__name__} iterations={cli.trainer.global_step} "
       f"update s/iteration={[round(t, 2) for t in clock.times]} peak GPU memory={peak} "
-      f"index device={getattr(index, 'device', None)} faiss GPUs={faiss_gpu_available() and faiss.get_num_gpus()}",
+      f"index device={getattr(index, 'device', None)} faiss GPUs={faiss_gpu_available() and faiss.get_num_gpus()} "
+      f"trained dtypes={sorted({str(p.dtype) for p in cli.model.parameters() if p.requires_grad})}",
       flush=True)
 PYEOF
 }
-run fsdp2_bf16 --trainer.strategy=fsdp2 --model.policy.init_args.dtype=$DTYPE
+run fsdp2_bf16 --trainer.strategy=fsdp2
 run qlora --trainer.strategy=auto --model.policy.init_args.lora=true --model.policy.init_args.load_in_4bit=true \
   --model.policy.init_args.dtype=$DTYPE --model.policy.init_args.gradient_checkpointing=false

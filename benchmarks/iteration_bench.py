@@ -306,7 +306,7 @@ def build(args: argparse.Namespace, mode: str, root: str):
 
 def first_batch(data) -> list:
     """The prompts of the first training iteration: the first batch of the seeded training stream."""
-    return next(iter(data.train_dataloader()))
+    return list(next(iter(data.train_dataloader())))
 
 
 def warm_up(module, data, examples) -> None:

@@ -116,7 +116,7 @@ def main() -> None:
     model = policy.model.eval()
     settings = data.engine_args
     engine = RolloutEngine(SearchEnv(data.env_config, tok), **settings)
-    examples = next(iter(data.train_dataloader()))
+    examples = list(next(iter(data.train_dataloader())))
     prompts = [data.prompt_ids(tok, ex.question) for ex in examples]
     n = data.n_samples
     gen = torch.Generator(device=module.device).manual_seed(data.seed)

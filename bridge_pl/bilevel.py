@@ -134,7 +134,7 @@ class ParamUpdate:
             self.sync_grads(self.params)
         grads = [p for p in self.params if p.grad is not None]
         threshold = self.clip_norm / lr_scale if self.clip_norm else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(grads, threshold) if grads else torch.zeros(())
+        norm = torch.nn.utils.clip_grad_norm_(grads, threshold) if grads else torch.zeros((), dtype=torch.float32)
         norm = full_tensor(norm)  # FSDP2: the norm of sharded gradients is a DTensor
         if not torch.isfinite(norm):
             self._skip("grad")

@@ -37,7 +37,7 @@ from bridge_pl.distributed import (
 )
 from bridge_pl.metrics import QAMetrics, StepLogKeys, valid_action_rate
 from bridge_pl.policy import Policy
-from bridge_pl.problem import RLProblem
+from bridge_pl.problem import RLProblem, head_values
 from bridge_pl.retrieval.base import Passage, Retriever
 from bridge_pl.retrieval.credit import gumbel_topk, plackett_luce_logprob, topk_order
 from bridge_pl.rollout.batch import RolloutBatch
@@ -48,6 +48,16 @@ Mode = Literal["frozen", "policy_first", "retriever_first", "bridge", "implicit"
 
 class NonFiniteTrainingError(RuntimeError):
     """Too many iterations in a row had a non-finite loss or gradient (``model.solver.max_nonfinite_skips``)."""
+
+
+def half_precision_trainables(module: nn.Module) -> dict[str, int]:
+    """Trained (``requires_grad``) parameter elements stored in bfloat16 or float16, counted per top-level child."""
+    counts: dict[str, int] = {}
+    for name, param in module.named_parameters():
+        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+            part = name.split(".", 1)[0]
+            counts[part] = counts.get(part, 0) + param.numel()
+    return counts
 
 
 class BridgeModule(L.LightningModule):
@@ -134,6 +144,18 @@ class BridgeModule(L.LightningModule):
         if self.value_head is not None:
             shard_root(self.value_head, data_parallel)
 
+    def on_fit_start(self) -> None:
+        half = half_precision_trainables(self)
+        if half:
+            counts = ", ".join(f"{n:,} in {part}" for part, n in half.items())
+            rank_zero_warn(
+                f"bridge-pl: trained weights are stored in half precision ({counts}; trainer.precision="
+                f"{self.trainer.precision}), with no float32 master copy: optimizer steps smaller than the weights' "
+                "resolution (about 2^-8 of a weight in bfloat16) are rounded away, so at RL learning rates most of "
+                "them never move. Keep trained weights float32 (model.policy.init_args.dtype=float32, or LoRA) and "
+                "get bf16 compute from trainer.precision=bf16-mixed."
+            )
+
     def configure_optimizers(self):
         """One optimizer per trained part, by name (``optimizer_names``): ``policy``; ``phi`` (the query encoder,
         plus a separately trained passage tower) and ``psi`` (``bridge``) when the retriever trains; ``critic``
@@ -205,7 +227,7 @@ class BridgeModule(L.LightningModule):
         logp, _, hidden = self.policy(ids, torch.ones_like(ids))
         loss = logp.sum() * 0.0
         if self.value_head is not None:
-            loss = loss + self.value_head(hidden.detach().float()).sum() * 0.0
+            loss = loss + head_values(self.value_head, hidden.detach()).sum() * 0.0
         return loss
 
     # ---- retrieval during rollouts ---------------------------------------------------------------
@@ -231,7 +253,7 @@ class BridgeModule(L.LightningModule):
             logprob = plackett_luce_logprob(logits, order, valid=valid)
         else:
             order = topk_order(logits, k, valid=valid)
-            logprob = torch.zeros(len(queries))
+            logprob = torch.zeros(len(queries), dtype=torch.float32)
         outcomes = []
         for q in range(len(queries)):
             cand = rows[q][valid[q]].tolist()

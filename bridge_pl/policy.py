@@ -384,7 +384,7 @@ class Policy(nn.Module):
         """
         device = next(self.model.parameters()).device
         if not sequences:
-            return torch.zeros(0, 0, device=device)
+            return torch.zeros(0, 0, dtype=torch.float32, device=device)
         K = len(sequences[0].branches)
         if any(len(seq.branches) != K for seq in sequences):
             raise ValueError("Policy.branch_loglik: every sequence needs the same number of branches")
@@ -420,8 +420,8 @@ class Policy(nn.Module):
         attend |= torch.eye(T, dtype=torch.bool)  # padding attends to itself: no empty softmax rows (NaN)
         ids, positions, score = ids.to(device), positions.to(device), score.to(device)
         logp = self(ids, attend[:, None].to(device), score_mask=score, position_ids=positions)[0]
-        per_branch = torch.zeros(len(rows), K, device=device)
-        counts = torch.zeros(len(rows), K, device=device)
+        per_branch = torch.zeros(len(rows), K, dtype=torch.float32, device=device)
+        counts = torch.zeros(len(rows), K, dtype=torch.float32, device=device)
         seg = segment.to(device).clamp(min=0)
         per_branch = per_branch.scatter_add(1, seg, logp * score)
         counts = counts.scatter_add(1, seg, score.float())

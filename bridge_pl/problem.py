@@ -44,6 +44,15 @@ def lower_level_loss(
     return kl.mean()
 
 
+def head_values(value_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """PPO's value head on the policy's last hidden states: ``[..., H] -> [...]`` float32 values.
+
+    The head runs in its own dtype (float32, or bfloat16 when a ``bf16-true`` trainer converted the module), so
+    ``hidden`` is cast to it; the values come back float32 for the advantage and loss math.
+    """
+    return value_head(hidden.to(value_head.weight.dtype)).float().squeeze(-1)
+
+
 class RLProblem:
     """Losses of one batch. Quantities that do not change during the iteration are computed once here.
 
@@ -159,7 +168,7 @@ class RLProblem:
         for rows in self._row_groups:
             cols = self._cols(rows)
             hidden = self._forward_rows(cols, score_mask=torch.zeros_like(self.mask[cols]))[2]  # no LM head
-            values[cols] = self.value_head(hidden.float()).squeeze(-1)
+            values[cols] = head_values(self.value_head, hidden)
         token_rewards = torch.zeros_like(self.mask)
         last = (self.mask * torch.arange(self.mask.shape[1], device=self.mask.device)).argmax(-1)
         token_rewards[torch.arange(len(last)), last] = batch.rewards
@@ -187,10 +196,10 @@ class RLProblem:
         exactly 1 before any φ step, and 1 when the retriever does not train.
         """
         batch, cfg = self.batch, self.cfg
-        ratios = torch.ones(batch.batch_size, device=self.mask.device)
+        ratios = torch.ones(batch.batch_size, dtype=torch.float32, device=self.mask.device)
         if self._shown_logprob_old is None:
             return ratios
-        log_ratio = torch.zeros(batch.batch_size, device=self.mask.device).index_add_(
+        log_ratio = torch.zeros(batch.batch_size, dtype=torch.float32, device=self.mask.device).index_add_(
             0, batch.search_traj, self._shown_logprob() - self._shown_logprob_old
         )
         ratios = log_ratio.clamp(max=rl.MAX_LOG_RATIO).exp()
@@ -274,7 +283,7 @@ class RLProblem:
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * rl.agg_loss(entropy, mask, cfg.loss_agg)
         if self.value_head is not None:
-            pred = self.value_head(hidden.detach().float()).squeeze(-1)
+            pred = head_values(self.value_head, hidden.detach())
             vloss = rl.value_loss(pred, self.old_values[cols], self.returns[cols], mask, clip=cfg.value_clip,
                                   agg=cfg.loss_agg)
             values["critic/value_loss"] = float(vloss.detach())
@@ -320,7 +329,8 @@ class RLProblem:
             self.lm_scores = self._lm_scores()
 
     def coupling_loss(self, lam: float) -> torch.Tensor:
-        return sum(self.coupling_loss_parts(lam), torch.zeros((), device=self.batch.input_ids.device))
+        zero = torch.zeros((), dtype=torch.float32, device=self.batch.input_ids.device)
+        return sum(self.coupling_loss_parts(lam), zero)
 
     @torch.no_grad()
     def coupling_search_weights(self, lam: float) -> torch.Tensor | None:
@@ -362,4 +372,4 @@ class RLProblem:
     def _zero_phi(self) -> torch.Tensor:
         """A zero that still belongs to φ's graph (so optimizers see zero grads, not missing ones)."""
         params = self.phi_parameters()
-        return sum(p.sum() * 0.0 for p in params) if params else torch.zeros(())
+        return sum(p.sum() * 0.0 for p in params) if params else torch.zeros((), dtype=torch.float32)

@@ -158,7 +158,7 @@ def groups_with_signal(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.T
         return scores.new_zeros((), dtype=torch.float32)
     values = scores.float()
     low, high = _group_range(values, group, n_groups)
-    counted = torch.zeros(n_groups, device=values.device).index_add_(0, group, torch.ones_like(values)) > 1
+    counted = values.new_zeros(n_groups).index_add_(0, group, torch.ones_like(values)) > 1
     return ((high > low) & counted).float().sum() / counted.float().sum().clamp(min=1)
 
 

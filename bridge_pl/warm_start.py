@@ -76,7 +76,7 @@ def sft_loss(policy, demos: list[Demonstration]) -> torch.Tensor:
     T = max(len(d.input_ids) for d in demos)
     ids = torch.full((len(demos), T), policy.tokenizer.pad_token_id, dtype=torch.long)
     attn = torch.zeros(len(demos), T, dtype=torch.long)
-    mask = torch.zeros(len(demos), T)
+    mask = torch.zeros(len(demos), T, dtype=torch.float32)
     for r, d in enumerate(demos):
         n = len(d.input_ids)
         ids[r, :n] = torch.tensor(d.input_ids)

@@ -1,6 +1,6 @@
 """``RolloutDataModule``: QA prompts in, on-policy ``RolloutBatch``es out.
 
-The dataloaders yield lists of :class:`~bridge_pl.data.qa.QAExample` (cheap to prefetch). Generation
+The dataloaders yield :class:`ExampleBatch`es of :class:`~bridge_pl.data.qa.QAExample` (cheap to prefetch). Generation
 runs in :meth:`RolloutDataModule.on_after_batch_transfer`, which Lightning calls right before the
 step that consumes the batch, so every batch is generated with the parameters of that step even
 though the loader is one batch ahead (the versions recorded in the batch prove it).
@@ -12,7 +12,7 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import lightning as L
@@ -47,8 +47,35 @@ def policy_text(trajectory: Trajectory, tokenizer) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
+class ExampleBatch:
+    """One loader batch: the QA examples of a rollout, held whole.
+
+    Under a half precision (``bf16-true``, ``16-true``) Lightning's precision plugin walks every loader batch with
+    ``apply_to_collection`` before any DataModule hook sees it, and that walk refuses frozen dataclasses such as
+    :class:`QAExample`. This holder is not a collection, so the walk leaves it alone; it iterates and indexes
+    like the list it holds.
+    """
+
+    __slots__ = ("examples",)
+
+    def __init__(self, examples: Sequence[QAExample]) -> None:
+        self.examples = list(examples)
+
+    def __iter__(self) -> Iterator[QAExample]:
+        return iter(self.examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index):
+        return self.examples[index]
+
+    def __repr__(self) -> str:
+        return f"ExampleBatch({[ex.id for ex in self.examples]})"
+
+
 class _PromptStream(IterableDataset):
-    """An endless, seeded stream of training batches (lists of examples), resumable by position.
+    """An endless, seeded stream of training batches (:class:`ExampleBatch`), resumable by position.
 
     Epoch e is a permutation seeded by ``derive_seed(seed, "epoch", e)``; rank r of w processes takes every w-th
     batch. With
@@ -90,10 +117,10 @@ class _PromptStream(IterableDataset):
                 yield [self.examples[i] for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
             epoch += 1
 
-    def __iter__(self) -> Iterator[list[QAExample]]:
+    def __iter__(self) -> Iterator[ExampleBatch]:
         for position, batch in enumerate(self._batches()):
             if position >= self.start * self.world and position % self.world == self.rank:
-                yield batch
+                yield ExampleBatch(batch)
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -199,7 +226,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _eval_loaders(self, sources: dict[str, str]) -> list[DataLoader]:
         return [
-            DataLoader(self.load(src, self.max_eval_examples), batch_size=self.eval_batch_size, collate_fn=list)
+            DataLoader(self.load(src, self.max_eval_examples), batch_size=self.eval_batch_size,
+                       collate_fn=ExampleBatch)
             for src in sources.values()
         ]
 
@@ -245,18 +273,21 @@ class RolloutDataModule(L.LightningDataModule):
         sources = self.val_sources if (trainer.validating or trainer.sanity_checking) else self.test_sources
         return list(sources)[dataloader_idx], False
 
-    def transfer_batch_to_device(self, batch: list[QAExample], device, dataloader_idx: int) -> list[QAExample]:
+    def transfer_batch_to_device(self, batch: ExampleBatch, device, dataloader_idx: int) -> ExampleBatch:
         return batch  # plain examples stay on the host; the rollout below lands on the device
 
-    def on_after_batch_transfer(self, batch: list[QAExample], dataloader_idx: int) -> RolloutBatch:
+    def on_after_batch_transfer(self, batch: ExampleBatch, dataloader_idx: int) -> RolloutBatch:
         dataset, training = self._stage_name(dataloader_idx)
         module = self.trainer.lightning_module
-        rollout = self.rollout(module, batch, training=training, dataset=dataset)
+        # the steps' precision context (bf16-mixed: autocast), which Lightning opens only around the steps
+        with self.trainer.precision_plugin.forward_context():
+            rollout = self.rollout(module, batch, training=training, dataset=dataset)
         if training:
             self.consumed += 1
         return move_data_to_device(rollout, module.device)
 
-    def rollout(self, module: RolloutAgent, examples: list[QAExample], training: bool, dataset: str) -> RolloutBatch:
+    def rollout(self, module: RolloutAgent, examples: Sequence[QAExample], training: bool, dataset: str
+                ) -> RolloutBatch:
         """Generate trajectories for ``examples`` with ``module``'s current policy and retriever.
 
         Training: ``n_samples`` sampled trajectories per prompt with Plackett-Luce retrieval (and, with
@@ -265,6 +296,7 @@ class RolloutDataModule(L.LightningDataModule):
         of the whole rollout (generation, rewards, LM-credit sequences).
         """
         start = time.perf_counter()
+        examples = list(examples)
         if training:
             trajectories, per_traj, scores, sampling = self._sample_groups(module, examples)
         else:

@@ -298,7 +298,8 @@ class BridgeModule(L.LightningModule):
         self.policy_version += 1
         self._count_iteration()
         if is_sharded(self.policy.model):  # free the gathered weights until the next rollout gathers them again
-            for root in self._sharded_roots():
+            reference = [self.policy.reference] if self.policy.reference is not None else []  # full fine-tuning's KL
+            for root in self._sharded_roots() + reference:
                 reshard(root)
         for scheduler in self._schedulers():
             scheduler.step()

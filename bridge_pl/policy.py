@@ -106,8 +106,9 @@ class Policy(nn.Module):
         load_in_4bit: QLoRA: load the base weights in 4-bit NF4 (bitsandbytes >= 0.45; on the current CUDA device,
             else on CPU).
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` for the base weights; ``auto`` (default) is
-            bfloat16 where the hardware has native bf16 (CUDA, CPUs with AVX512-BF16/AMX), else float32. LoRA
-            weights stay float32 and log-probs are computed in float32.
+            bfloat16 where the hardware has native bf16 (CUDA, CPUs with AVX512-BF16/AMX), else float32, for a
+            frozen LoRA base; with ``lora=False`` it is float32, since an optimizer step at RL learning rates is
+            below a bfloat16 weight's resolution. LoRA weights stay float32 and log-probs are computed in float32.
         logprob_chunk: scored tokens per chunk when turning hidden states into log-probs; bounds the
             ``[chunk, V]`` logits held at once (chunks are recomputed in backward).
         gradient_checkpointing: trade compute for activation memory in the backbone.
@@ -147,7 +148,8 @@ class Policy(nn.Module):
         self.lora = lora
         self.logprob_chunk = logprob_chunk
         self.tokenizer = load_tokenizer(model)
-        self.weight_dtype = resolve_dtype(dtype)
+        # full fine-tuning trains every weight: ``auto`` keeps them float32 (bf16 compute is bf16-mixed's job)
+        self.weight_dtype = torch.float32 if dtype == "auto" and not lora else resolve_dtype(dtype)
         kwargs = {}
         if load_in_4bit:
             kwargs = self._quantization_kwargs(self.weight_dtype)

@@ -157,6 +157,32 @@ def test_fsdp2_warm_start_rebases_the_kl_reference_and_exports_the_gathered_adap
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # the warm start's steps are in the export
 
 
+class RecordReferenceSharding(L.Callback):
+    """After each iteration, whether the full-fine-tuning KL reference holds only its shards (DTensors)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.sharded = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from torch.distributed.tensor import DTensor
+
+        self.sharded.append(all(isinstance(p, DTensor) for p in pl_module.policy.reference.parameters()))
+
+    def on_train_end(self, trainer, pl_module):
+        (self.out / f"reference{trainer.global_rank}.json").write_text(json.dumps(self.sharded))
+
+
+@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
+def test_fsdp2_frees_the_gathered_kl_reference_after_each_iteration(tmp_path):
+    """Full fine-tuning with a KL penalty keeps a frozen reference copy, sharded like the policy and gathered for its
+    forward. Each iteration ends with it resharded, as the policy is: a gathered float32 reference of a 7B model
+    would hold about 30 GB on every GPU until the next iteration."""
+    _run_2proc(tmp_path, "full-kl")
+    ranks = [json.loads((tmp_path / "full" / f"logs{r}.json").read_text()) for r in range(2)]
+    assert all(r[1]["policy/kl_ref"] > 0 for r in ranks)  # iteration 1 scored under the (gathered) reference
+    assert [json.loads((tmp_path / "full" / f"reference{r}.json").read_text()) for r in range(2)] == [[True, True]] * 2
+
+
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
 def test_fsdp2_evaluates_with_unequal_numbers_of_batches_per_rank(tmp_path):
     """Validation between iterations, ranks with 2 and 1 eval batches: no collective waits on a forward, and the
@@ -281,6 +307,12 @@ def main(out: Path, job: str) -> None:
                        "--trainer.limit_val_batches=null", "--data.max_eval_examples=12")
         metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
         (out / "eval" / f"val{cli.trainer.global_rank}.json").write_text(json.dumps(metrics))
+        return
+    if job == "full-kl":
+        (out / "full").mkdir(parents=True, exist_ok=True)
+        fit_tiny(out / "full", *fsdp2, "--trainer.max_steps=2", "--model.rl.kl_coef=0.05",
+                 "--model.policy.init_args.lora=false",
+                 callbacks=(RecordSteps(out / "full"), RecordReferenceSharding(out / "full")))
         return
     if job == "warm-start":
         from callbacks.warm_start import WarmStart

@@ -153,6 +153,18 @@ def test_head_runs_only_on_scored_positions():
     assert torch.all(part[~score] == 0) and torch.all(entropy[score] > 0) and torch.all(entropy[~score] == 0)
 
 
+def test_auto_dtype_is_bfloat16_only_for_a_frozen_lora_base(monkeypatch):
+    """On bf16 hardware ``auto`` loads a LoRA base in bfloat16 (it is frozen), but keeps the weights of a full
+    fine-tuning float32: an AdamW step at RL learning rates is below a bfloat16 weight's resolution."""
+    import bridge_pl.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "bf16_supported", lambda: True)
+    lora = Policy("tiny-llama", lora_r=4, dtype="auto")
+    full = Policy("tiny-llama", lora=False, dtype="auto")
+    assert lora.weight_dtype == torch.bfloat16 and {p.dtype for p in lora.trainable_parameters()} == {torch.float32}
+    assert full.weight_dtype == torch.float32 and {p.dtype for p in full.trainable_parameters()} == {torch.float32}
+
+
 def test_bf16_update_agrees_with_fp32():
     """The default dtype on bf16 hardware: one policy-gradient step's LoRA gradient in bf16 base weights points the
     same way as fp32's (cosine > 0.99) with a norm within 5%; log-probs agree within 0.05 nats."""

@@ -82,7 +82,7 @@ class EncoderTower(nn.Module):
     ) -> torch.Tensor:
         """``[N, D]`` float32 embeddings on the tower's device (grad follows the caller's grad mode)."""
         if not texts:
-            return torch.zeros(0, self.dim, device=self.device)
+            return torch.zeros(0, self.dim, dtype=torch.float32, device=self.device)
         prefix = self.prefix if prefix is None else prefix
         batch = self.tokenizer(
             [prefix + t for t in texts], padding=True, truncation=True,

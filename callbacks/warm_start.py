@@ -69,6 +69,13 @@ class WarmStart(L.Callback):
         if trainer.ckpt_path is not None or trainer.global_step > 0:
             rank_zero_info("WarmStart: resuming from a checkpoint, warm start skipped")
             return
+        # the steps' precision context (bf16-mixed: autocast), which Lightning opens only around its own steps:
+        # the EM after the warm start is step 0 of the val/<dataset>/em curve, so it is measured as later points are
+        with trainer.precision_plugin.forward_context():
+            self._warm_start(trainer, pl_module)
+
+    def _warm_start(self, trainer: L.Trainer, pl_module) -> None:
+        """EM before (with ``evaluate``), the supervised steps, the save, EM after."""
         if self.evaluate:
             self._evaluate(trainer, pl_module, "before")
         data = trainer.datamodule

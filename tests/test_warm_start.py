@@ -13,6 +13,7 @@ from bridge_pl.policy import Policy
 from bridge_pl.rollout.engine import SearchOutcome
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
 from bridge_pl.warm_start import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
+from callbacks import warm_start as warm_start_callback
 from callbacks.warm_start import WarmStart
 
 
@@ -94,6 +95,25 @@ def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path, caplog
     assert any(v.abs().sum() > 0 for k, v in warm_state.items() if "lora_B" in k)  # trained (lora_B starts at 0)
     lora = [p for n, p in reloaded.model.named_parameters() if "lora_" in n]
     assert lora and all(p.requires_grad for p in lora)  # loaded trainable (is_trainable=True), not frozen
+
+
+def test_warm_start_runs_in_the_trainers_precision_context(tmp_path, monkeypatch):
+    """Under ``bf16-mixed`` the supervised steps and both evaluations compute under autocast, as Lightning's steps and
+    the validation rollouts do: the EM after the warm start is step 0 of the ``val/<dataset>/em`` curve."""
+    autocast: dict[str, set[bool]] = {}
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            autocast.setdefault(name, set()).add(torch.is_autocast_enabled("cpu"))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(warm_start_callback, "sft_loss", recorded("sft steps", sft_loss))
+    warm = WarmStart(steps=2, batch_size=1)
+    warm._evaluate = recorded("evaluations", warm._evaluate)
+    fit_tiny(tmp_path, "--trainer.max_steps=1", "--trainer.precision=bf16-mixed", callbacks=(warm,))
+    assert autocast == {"sft steps": {True}, "evaluations": {True}}
+    assert set(warm.em) == {"before", "after"}
 
 
 def test_adapter_option_errors_name_the_option(tmp_path):

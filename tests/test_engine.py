@@ -272,6 +272,21 @@ def test_eval_mode_no_grad_and_mode_restored(model, tok, env):
     assert not model.training
 
 
+def test_the_lm_head_gets_each_rows_last_position_contiguous(model, tok, env):
+    """Every engine forward (the prefill of several tokens included) hands the LM head one contiguous row per
+    sequence: on a strided ``hidden[:, -1:]`` view CPU ``F.linear`` expands and copies the whole head once per row."""
+    head_inputs = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: head_inputs.append(args[0]))
+    try:
+        RolloutEngine(env, max_turns=1, max_new_tokens_per_turn=3).generate(
+            model, tok, [ids(tok, "Who wrote Hamlet?"), ids(tok, "x")], FaissSearch(), greedy=True
+        )
+    finally:
+        handle.remove()
+    assert head_inputs and all(x.shape[1] == 1 and x.is_contiguous() for x in head_inputs)
+    assert head_inputs[0].shape[0] == 2  # the prefill: both prompts, several tokens each
+
+
 def test_bad_inputs(model, tok, env):
     engine = RolloutEngine(env, max_turns=1, max_new_tokens_per_turn=8)
     with pytest.raises(ValueError, match="prompts"):

@@ -376,8 +376,8 @@ def _forward(model, ids: torch.Tensor, attn: torch.Tensor, cache):
     """
     positions = (attn.cumsum(dim=1) - 1).clamp(min=0)[:, -ids.shape[1]:]
     # The last position as an index, not ``logits_to_keep=1``: that slices ``hidden[:, -1:]``, a strided view when
-    # T > 1, and CPU ``F.linear`` on it falls back to a bmm against the LM head expanded and copied once per row
-    # (48 rows x SmolLM2's 49152 x 576 head: 2.5 s per call, against 0.015 s on the gathered, contiguous rows).
+    # T > 1, and with a frozen head (LoRA) CPU ``F.linear`` on it falls back to a bmm against the head expanded and
+    # copied once per row (48 rows x SmolLM2's 49152 x 576 head: seconds per call; benchmarks/lm_head_bench.py).
     last = torch.tensor([ids.shape[1] - 1], device=ids.device)
     out = model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=last,
                 **{_CACHE: cache})

@@ -37,12 +37,19 @@ def step_ms(model, ids: torch.Tensor, attn: torch.Tensor) -> float:
     return (time.perf_counter() - start) / STEPS * 1000
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(description: str) -> argparse.Namespace:
+    """``--model`` and ``--threads`` of a micro-benchmark of the policy model (also ``lm_head_bench``); sets torch's
+    thread count."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = model_arguments(__doc__)
     torch.manual_seed(0)
     model = load_causal_lm(args.model, dtype=resolve_dtype("auto")).eval()
     print(f"{args.model} ({model.dtype}), threads={args.threads}, {STEPS} steps x {ROUNDS} rounds (median)")

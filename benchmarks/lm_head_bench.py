@@ -16,11 +16,11 @@ decode step (``T = 1``: contiguous both ways, the control). Timings need an othe
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+from decode_attention_bench import model_arguments  # benchmarks/, the script's folder
 
 from bridge_pl.models import load_causal_lm
 from bridge_pl.policy import resolve_dtype
@@ -37,11 +37,7 @@ def seconds_per_call(head: torch.nn.Module, rows: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    args = model_arguments(__doc__)
     dtype = resolve_dtype("auto")
     head = load_causal_lm(args.model, dtype=dtype).get_output_embeddings().requires_grad_(False)  # frozen, as in LoRA
     vocab, width = head.weight.shape

@@ -53,9 +53,12 @@ class WarmStart(L.Callback):
         for name, source in data.val_sources.items():
             examples = data.load(source, data.max_eval_examples)
             scores = []
-            for start in range(0, len(examples), data.eval_batch_size):
-                batch = data.rollout(pl_module, examples[start : start + data.eval_batch_size], False, name)
-                scores += [exact_match(a, g) for a, g in zip(batch.answers, batch.golds)]
+            # the forwards run in the steps' precision context (bf16-mixed: autocast), which Lightning opens only
+            # around its own steps: the EM after the warm start is step 0 of the val/<dataset>/em curve
+            with trainer.precision_plugin.forward_context():
+                for start in range(0, len(examples), data.eval_batch_size):
+                    batch = data.rollout(pl_module, examples[start : start + data.eval_batch_size], False, name)
+                    scores += [exact_match(a, g) for a, g in zip(batch.answers, batch.golds)]
             self.em[when][name] = sum(scores) / max(1, len(scores))
             if trainer.logger is not None:
                 metrics = {f"warm_start/{when}/{name}/em": self.em[when][name]}
@@ -69,13 +72,6 @@ class WarmStart(L.Callback):
         if trainer.ckpt_path is not None or trainer.global_step > 0:
             rank_zero_info("WarmStart: resuming from a checkpoint, warm start skipped")
             return
-        # the steps' precision context (bf16-mixed: autocast), which Lightning opens only around its own steps:
-        # the EM after the warm start is step 0 of the val/<dataset>/em curve, so it is measured as later points are
-        with trainer.precision_plugin.forward_context():
-            self._warm_start(trainer, pl_module)
-
-    def _warm_start(self, trainer: L.Trainer, pl_module) -> None:
-        """EM before (with ``evaluate``), the supervised steps, the save, EM after."""
         if self.evaluate:
             self._evaluate(trainer, pl_module, "before")
         data = trainer.datamodule
@@ -97,7 +93,8 @@ class WarmStart(L.Callback):
                     example, env, lambda qs: pl_module.retrieve(qs, stochastic=False), rng, self.noise
                 )
                 demos.append(tokenize_demonstration(data.prompt_ids(tokenizer, example.question), segments, tokenizer))
-            loss = sft_loss(policy, demos)
+            with trainer.precision_plugin.forward_context():  # the forward only, as in Lightning's steps
+                loss = sft_loss(policy, demos)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             average_replicated_grads(params)  # keep the ranks' weights identical (FSDP2 shards are reduced already)

@@ -275,6 +275,7 @@ def test_eval_mode_no_grad_and_mode_restored(model, tok, env):
 def test_the_lm_head_gets_each_rows_last_position_contiguous(model, tok, env):
     """Every engine forward (the prefill of several tokens included) hands the LM head one contiguous row per
     sequence: on a strided ``hidden[:, -1:]`` view CPU ``F.linear`` expands and copies the whole head once per row."""
+    assert len(ids(tok, "Who wrote Hamlet?")) > 1  # a prefill of several tokens, where the strided view arises
     head_inputs = []
     handle = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: head_inputs.append(args[0]))
     try:

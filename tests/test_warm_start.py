@@ -10,6 +10,7 @@ from helpers import fit_tiny
 from bridge_pl.data.qa import QAExample
 from bridge_pl.models import load_tokenizer
 from bridge_pl.policy import Policy
+from bridge_pl.rewards import exact_match
 from bridge_pl.rollout.engine import SearchOutcome
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
 from bridge_pl.warm_start import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
@@ -97,9 +98,9 @@ def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path, caplog
     assert lora and all(p.requires_grad for p in lora)  # loaded trainable (is_trainable=True), not frozen
 
 
-def test_warm_start_runs_in_the_trainers_precision_context(tmp_path, monkeypatch):
-    """Under ``bf16-mixed`` the supervised steps and both evaluations compute under autocast, as Lightning's steps and
-    the validation rollouts do: the EM after the warm start is step 0 of the ``val/<dataset>/em`` curve."""
+def test_warm_start_forwards_run_in_the_trainers_precision_context(tmp_path, monkeypatch):
+    """Under ``bf16-mixed`` the supervised forwards and both evaluations compute under autocast, as Lightning's steps
+    and the validation rollouts do (the EM after the warm start is step 0 of the ``val/<dataset>/em`` curve)."""
     autocast: dict[str, set[bool]] = {}
 
     def recorded(name, fn):
@@ -108,11 +109,11 @@ def test_warm_start_runs_in_the_trainers_precision_context(tmp_path, monkeypatch
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(warm_start_callback, "sft_loss", recorded("sft steps", sft_loss))
+    monkeypatch.setattr(warm_start_callback, "sft_loss", recorded("sft forwards", sft_loss))
+    monkeypatch.setattr(warm_start_callback, "exact_match", recorded("evaluations", exact_match))
     warm = WarmStart(steps=2, batch_size=1)
-    warm._evaluate = recorded("evaluations", warm._evaluate)
     fit_tiny(tmp_path, "--trainer.max_steps=1", "--trainer.precision=bf16-mixed", callbacks=(warm,))
-    assert autocast == {"sft steps": {True}, "evaluations": {True}}
+    assert autocast == {"sft forwards": {True}, "evaluations": {True}}
     assert set(warm.em) == {"before", "after"}
 
 

@@ -7,8 +7,7 @@ Then the env parses each turn, ``search_fn`` runs once for all queries of the ba
 pruned from the cache, and each remaining row's last sampled token plus its env text (observation or
 message) is appended to the cache in one forward, left-padded within that chunk. Positions are always
 ``cumsum(attention_mask) - 1``, so left padding and holes never shift them; between turns the cache is
-compacted (each row's real entries right-aligned, columns that are padding in every row dropped). The cache's
-layers append into spare room rather than concatenating per token (``bridge_pl.rollout.cache``).
+compacted (each row's real entries right-aligned, columns that are padding in every row dropped).
 
 Ids recorded are exactly the ids sampled (a turn is never re-tokenised); the env's text is tokenised on its
 own and recorded as appended.
@@ -25,7 +24,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bridge_pl.data.qa import Passage
 from bridge_pl.eval_mode import eval_mode
-from bridge_pl.rollout.cache import GrowingLayer, growing_cache
 from bridge_pl.rollout.env import Action, SearchEnv
 
 
@@ -249,10 +247,10 @@ class RolloutEngine:
         shared = _common_prefix_length(prompts) if len(prompts) > 1 else 0
         if shared < _MIN_SHARED_PREFIX:
             ids, attn = _left_pad([list(p) for p in prompts], pad_id, device)
-            logits, cache = _forward(model, ids, attn, growing_cache(model.config))
+            logits, cache = _forward(model, ids, attn, None)
             return logits, cache, attn
         prefix = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device)
-        _, cache = _forward(model, prefix, torch.ones_like(prefix), growing_cache(model.config))
+        _, cache = _forward(model, prefix, torch.ones_like(prefix), None)
         cache.batch_repeat_interleave(len(prompts))
         ids, rest_attn = _left_pad([p[shared:] for p in prompts], pad_id, device)
         attn = torch.cat([torch.ones(len(prompts), shared, dtype=rest_attn.dtype, device=device), rest_attn], dim=1)
@@ -406,13 +404,12 @@ def _compact(cache, attn: torch.Tensor) -> torch.Tensor:
     """Right-align each row's real cache entries and drop columns that are then padding in every row.
 
     RoPE is applied before caching and positions come from the mask, so moving entries changes nothing
-    but the memory and time later steps spend on holes. Only caches of plain ``DynamicLayer`` or ``GrowingLayer``
-    layers are compacted (sliding-window or other layer types are left as they are). Returns the new mask ``[B, L']``.
+    but the memory and time later steps spend on holes. Only plain ``DynamicLayer`` caches are compacted
+    (sliding-window or other layer types are left as they are). Returns the new mask ``[B, L']``.
     """
     length = int(attn.sum(dim=1).max())
     layers = getattr(cache, "layers", None)
-    compactable = (DynamicLayer, GrowingLayer)
-    if length == attn.shape[1] or not layers or any(type(layer) not in compactable for layer in layers):
+    if length == attn.shape[1] or not layers or any(type(layer) is not DynamicLayer for layer in layers):
         return attn
     index = torch.sort(attn, dim=1, stable=True).indices[:, -length:]  # pads first, real entries in order
     for layer in layers:

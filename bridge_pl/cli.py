@@ -1,9 +1,7 @@
 """``bridge-pl``: a thin ``main()`` over LightningCLI (fit / validate / test / predict) plus ``world``.
 
 Errors end the command with one line on stderr naming what is wrong (exit status 1; option errors found while
-parsing: usage and exit status 2); ``BRIDGE_PL_DEBUG=1`` shows the Python traceback instead. Before the
-LightningCLI commands run, glibc malloc is set to keep freed memory for reuse (``bridge_pl.allocator``;
-``BRIDGE_PL_MALLOC=system`` leaves it alone).
+parsing: usage and exit status 2); ``BRIDGE_PL_DEBUG=1`` shows the Python traceback instead.
 
 ``bridge-pl world --out DIR [--seed N]`` writes the built-in synthetic world as FlashRAG-style jsonl.
 """
@@ -21,7 +19,6 @@ import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from bridge_pl.allocator import reuse_freed_memory
 from bridge_pl.bilevel import make_solver
 from bridge_pl.config import SolverConfig, group_problems
 from bridge_pl.data.datamodule import RolloutDataModule
@@ -160,7 +157,6 @@ def main(args: list[str] | None = None) -> None:
         if argv[:1] == ["world"]:
             world_main(argv[1:])
         else:
-            reuse_freed_memory()
             BridgeCLI(args=args, parser_kwargs={"allow_abbrev": False})  # None: LightningCLI reads sys.argv
     except Exception as error:  # one line for the user; the traceback on request
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):

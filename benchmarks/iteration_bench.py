@@ -453,15 +453,14 @@ def run_floors(args: argparse.Namespace, root: str) -> dict:
     ids, attn = ids.to(module.device), attn.to(module.device)
     sampling = {"do_sample": True, "temperature": data.engine_args["temperature"],
                 "top_p": data.engine_args["top_p"], "pad_token_id": tok.pad_token_id}
-    model = policy.model
-    model.eval()
-    with torch.no_grad():
+    with policy.generation_model() as model, torch.no_grad():  # LoRA merged, as the data module generates
+        model.eval()
         model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=2, min_new_tokens=2, **sampling)  # warm-up
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n_tokens, min_new_tokens=n_tokens,
                              **sampling)
         generate_s = time.perf_counter() - start
-    model.train()
+        model.train()
     assert out.shape[1] - width == n_tokens, (out.shape, width, n_tokens)
 
     start = time.perf_counter()  # score_mask: the LM head only where the sum below reads (same value and grads)

@@ -10,6 +10,8 @@ template), the rollout settings (``max_turns``, ``max_new_tokens_per_turn``, ``m
 - ``engine``: :class:`bridge_pl.rollout.RolloutEngine` (prompt prefilled once per group, cache kept across turns,
   finished rows pruned), with the policy's attention (``sdpa_decode``, :mod:`bridge_pl.attention`);
 - ``engine, plain SDPA``: the same engine with transformers' SDPA for the decode steps too;
+- ``engine, LoRA unmerged``: the engine generating through peft's LoRA layers, not with the adapters merged into
+  the base weights as every other method here and the data module do (``Policy.generation_model``);
 - ``naive``: the Search-R1 way: every turn calls ``model.generate`` on the full prefix (prompt + all previous turns
   and observations re-encoded), with the same env, stop strings, search function and budgets;
 - ``single``: one ``model.generate`` producing, per row, as many tokens as the engine sampled on average (no turns,
@@ -113,7 +115,7 @@ def main() -> None:
     data.trainer = cli.trainer
     module.setup("fit")
     policy, tok = module.policy, module.policy.tokenizer
-    model = policy.model.eval()
+    policy.model.eval()
     settings = data.engine_args
     engine = RolloutEngine(SearchEnv(data.env_config, tok), **settings)
     examples = list(next(iter(data.train_dataloader())))
@@ -124,25 +126,29 @@ def main() -> None:
     def search_fn(queries):
         return module.retrieve(queries, stochastic=True, generator=gen)
 
-    engine.generate(model, tok, prompts[:1], search_fn, greedy=True)  # warm-up (and the stop-token table)
-    trajs, t_engine = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
-    n_engine = sum(sum(t.action_mask) for t in trajs)
-    attention = policy.hf_model.config._attn_implementation
-    policy.hf_model.set_attn_implementation("sdpa")
-    trajs_sdpa, t_sdpa = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
-    policy.hf_model.set_attn_implementation(attention)
-    n_sdpa = sum(sum(t.action_mask) for t in trajs_sdpa)
-    rows = [p for p in prompts for _ in range(n)]
-    sampling = {"do_sample": True, "temperature": settings["temperature"], "top_p": settings["top_p"],
-                "pad_token_id": tok.pad_token_id}
-    torch.manual_seed(data.seed)
-    with torch.no_grad():
-        n_naive, t_naive = timed(lambda: naive_rollout(model, tok, engine, rows, search_fn, sampling))
-        per_row = max(1, round(n_engine / len(trajs)))
-        ids, attn = left_pad(rows, tok.pad_token_id, module.device)
-        _, t_single = timed(lambda: model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=per_row,
-                                                   min_new_tokens=per_row, **sampling))
-    n_single = per_row * len(rows)
+    with policy.generation_model() as model:  # LoRA merged, as the data module generates
+        engine.generate(model, tok, prompts[:1], search_fn, greedy=True)  # warm-up (and the stop-token table)
+        trajs, t_engine = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
+        n_engine = sum(sum(t.action_mask) for t in trajs)
+        attention = policy.hf_model.config._attn_implementation
+        policy.hf_model.set_attn_implementation("sdpa")
+        trajs_sdpa, t_sdpa = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
+        policy.hf_model.set_attn_implementation(attention)
+        n_sdpa = sum(sum(t.action_mask) for t in trajs_sdpa)
+        rows = [p for p in prompts for _ in range(n)]
+        sampling = {"do_sample": True, "temperature": settings["temperature"], "top_p": settings["top_p"],
+                    "pad_token_id": tok.pad_token_id}
+        torch.manual_seed(data.seed)
+        with torch.no_grad():
+            n_naive, t_naive = timed(lambda: naive_rollout(model, tok, engine, rows, search_fn, sampling))
+            per_row = max(1, round(n_engine / len(trajs)))
+            ids, attn = left_pad(rows, tok.pad_token_id, module.device)
+            _, t_single = timed(lambda: model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=per_row,
+                                                       min_new_tokens=per_row, **sampling))
+        n_single = per_row * len(rows)
+    trajs_lora, t_lora = timed(lambda: engine.generate(policy.model, tok, prompts, search_fn, n_samples=n,
+                                                       generator=gen))
+    n_lora = sum(sum(t.action_mask) for t in trajs_lora)
 
     turns = sum(t.turns for t in trajs) / len(trajs)
     n_searches = sum(len(t.searches) for t in trajs) / len(trajs)
@@ -156,7 +162,7 @@ def main() -> None:
           "idle machine)")
     print(f"{'method':<22}{'tokens':>8}{'seconds':>10}{'tokens/s':>11}{'vs engine':>11}")
     for name, count, t in [("engine (KV cache)", n_engine, t_engine), ("engine, plain SDPA", n_sdpa, t_sdpa),
-                           ("naive (re-encode)", n_naive, t_naive),
+                           ("engine, LoRA unmerged", n_lora, t_lora), ("naive (re-encode)", n_naive, t_naive),
                            ("single-turn generate", n_single, t_single)]:
         print(f"{name:<22}{count:>8}{t:>10.2f}{count / t:>11.1f}{(count / t) / (n_engine / t_engine):>10.2f}x")
 

@@ -115,6 +115,8 @@ class Policy(nn.Module):
         adapter: folder of a saved peft adapter to start from (e.g. one ``WarmStart(save_to=...)`` wrote);
             its own LoRA settings replace ``lora_r``/``lora_alpha``/``lora_dropout``/``target_modules``, and
             the loaded policy is the KL reference (see :meth:`rebase_reference`).
+        merged_generation: rollouts and evaluations generate with each LoRA delta merged into its base weight
+            (:meth:`generation_model`), not through peft's float32 side path; False: through the adapters.
 
     The KL reference is the policy RL starts from: the base model (adapter off) for a fresh adapter, or the
     warm-started / loaded policy after :meth:`rebase_reference`.
@@ -133,6 +135,7 @@ class Policy(nn.Module):
         logprob_chunk: int = 1024,
         gradient_checkpointing: bool = False,
         adapter: str | None = None,
+        merged_generation: bool = True,
     ) -> None:
         super().__init__()
         if dtype != "auto" and dtype not in _DTYPES:
@@ -146,6 +149,7 @@ class Policy(nn.Module):
             raise FileNotFoundError(f"policy.adapter: no peft adapter (adapter_config.json) in '{adapter}'")
         self.name = model
         self.lora = lora
+        self.merged_generation = merged_generation and lora and not load_in_4bit  # no 4-bit weight to merge into
         self.logprob_chunk = logprob_chunk
         self.tokenizer = load_tokenizer(model)
         # full fine-tuning trains every weight: ``auto`` keeps them float32 (bf16 compute is bf16-mixed's job)
@@ -273,6 +277,54 @@ class Policy(nn.Module):
             yield self.reference
         else:
             raise RuntimeError("no reference policy: full fine-tuning without enable_reference_copy()")
+
+    @contextlib.contextmanager
+    def generation_model(self) -> Iterator[nn.Module]:
+        """Yield the model to generate with (rollouts, evaluation; use without grad).
+
+        With ``merged_generation`` and plain LoRA adapters on linear layers: the model with each active adapter's
+        delta ``scaling * B @ A`` added to its base weight in float32 and rounded once to the base dtype, and the
+        adapters switched off, so a forward is the base model's matmuls alone. Through the adapters, every
+        adapted layer of every forward casts its input to float32 and adds a low-rank product over all of its
+        output activations: a third of an evaluation batch of the demo's policy (docs/method.md section 10).
+        The function is the same up to that rounding of the merged weights (none in float32 beyond the sum's own).
+        The base weights are restored bit for bit on exit. Otherwise (full fine-tuning, 4-bit bases, FSDP2
+        shards, DoRA or other adapter kinds, ``merged_generation=False``) it yields the model as it is.
+        """
+        layers = self._mergeable_lora_layers()
+        if not layers:
+            yield self.model
+            return
+        originals = []
+        try:
+            with torch.no_grad():
+                for layer in layers:
+                    weight = layer.get_base_layer().weight
+                    delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
+                    merged = (weight.float() + delta).to(weight.dtype)
+                    originals.append((weight, weight.detach().clone()))
+                    weight.copy_(merged)
+            with self.model.disable_adapter():
+                yield self.model
+        finally:
+            with torch.no_grad():
+                for weight, original in originals:
+                    weight.copy_(original)
+
+    def _mergeable_lora_layers(self) -> list[nn.Module]:
+        """The LoRA layers :meth:`generation_model` merges; empty when it must generate through the adapters."""
+        if not self.merged_generation or is_sharded(self.model):
+            return []
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        config = self.model.peft_config[self.model.active_adapter]
+        if getattr(config, "modules_to_save", None) or getattr(config, "use_dora", False):
+            return []  # disabling the adapters would also switch these off
+        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        if not all(type(m) is LoraLinear and not m.merged and not m.lora_variant for m in layers):
+            return []
+        return layers
 
     def get_extra_state(self) -> dict:
         return {"reference_adapter": self.reference_adapter}

@@ -337,11 +337,12 @@ class RolloutDataModule(L.LightningDataModule):
             )
             if self._generator_state is not None:
                 self._generator.set_state(self._generator_state)
-        return self._engine.generate(
-            policy.model, tokenizer, [self.prompt_ids(tokenizer, ex.question) for ex in examples],
-            search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
-            n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
-        )
+        with policy.generation_model() as model:
+            return self._engine.generate(
+                model, tokenizer, [self.prompt_ids(tokenizer, ex.question) for ex in examples],
+                search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
+                n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
+            )
 
     def _score(self, module: RolloutAgent, trajectories: list[Trajectory], per_traj: list[QAExample]
     ) -> list[tuple[str | None, float]]:

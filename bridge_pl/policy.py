@@ -283,13 +283,16 @@ class Policy(nn.Module):
         """Yield the model to generate with (rollouts, evaluation; use without grad).
 
         With ``merged_generation`` and plain LoRA adapters on linear layers: the model with each active adapter's
-        delta ``scaling * B @ A`` added to its base weight in float32 and rounded once to the base dtype, and the
-        adapters switched off, so a forward is the base model's matmuls alone. Through the adapters, every
-        adapted layer of every forward casts its input to float32 and adds a low-rank product over all of its
-        output activations: a third of an evaluation batch of the demo's policy (docs/method.md section 10).
+        delta ``scaling * B @ A`` added to its base weight in float32 (autocast off) and rounded once to the base
+        dtype, and the adapters switched off, so a forward is the base model's matmuls alone. Through the adapters,
+        every adapted layer of every forward casts its input to float32 and adds a low-rank product over all of
+        its output activations: a third of an evaluation batch of the demo's policy (docs/method.md section 10).
         The function is the same up to that rounding of the merged weights (none in float32 beyond the sum's own).
-        The base weights are restored bit for bit on exit. Otherwise (full fine-tuning, 4-bit bases, FSDP2
-        shards, DoRA or other adapter kinds, ``merged_generation=False``) it yields the model as it is.
+        The base weights are restored bit for bit on exit; until then a copy of each adapted base weight is held
+        (the size of the adapted layers: 0.2 GB for SmolLM2-135M in bfloat16). Otherwise (full fine-tuning,
+        4-bit bases, FSDP2 shards, DoRA or other adapter kinds, LoRA biases, ``modules_to_save``, adapters
+        already switched off, base weights shared between layers or tied to the embeddings,
+        ``merged_generation=False``) it yields the model as it is.
         """
         layers = self._mergeable_lora_layers()
         if not layers:
@@ -297,18 +300,18 @@ class Policy(nn.Module):
             return
         originals = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast(next(self.model.parameters()).device.type, enabled=False):
                 for layer in layers:
                     weight = layer.get_base_layer().weight
                     delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
-                    merged = (weight.float() + delta).to(weight.dtype)
+                    merged = (weight.float() + delta.float()).to(weight.dtype)
                     originals.append((weight, weight.detach().clone()))
                     weight.copy_(merged)
             with self.model.disable_adapter():
                 yield self.model
         finally:
             with torch.no_grad():
-                for weight, original in originals:
+                for weight, original in reversed(originals):
                     weight.copy_(original)
 
     def _mergeable_lora_layers(self) -> list[nn.Module]:
@@ -318,12 +321,19 @@ class Policy(nn.Module):
         from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        config = self.model.peft_config[self.model.active_adapter]
-        if getattr(config, "modules_to_save", None) or getattr(config, "use_dora", False):
-            return []  # disabling the adapters would also switch these off
         layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
-        if not all(type(m) is LoraLinear and not m.merged and not m.lora_variant for m in layers):
+        active = {name for m in layers for name in m.active_adapters}
+        for name in active:  # what disabling the adapters would also switch off, or what a merge leaves out
+            config = self.model.peft_config[name]
+            if any(getattr(config, key, None) for key in ("modules_to_save", "use_dora", "lora_bias")):
+                return []
+        if not layers or not all(type(m) is LoraLinear and not m.merged and not m.disable_adapters
+                                 and not getattr(m, "lora_variant", None) for m in layers):
             return []
+        weights = [m.get_base_layer().weight.data_ptr() for m in layers]
+        embedding = self.hf_model.get_input_embeddings().weight.data_ptr()
+        if len(set(weights)) < len(weights) or embedding in weights:
+            return []  # a merge would reach another layer too
         return layers
 
     def get_extra_state(self) -> dict:

@@ -3,7 +3,9 @@
 import pytest
 import torch
 from helpers import tiny_module
+from peft import LoraConfig, get_peft_model
 
+from bridge_pl.models import load_causal_lm
 from bridge_pl.policy import Policy
 
 
@@ -21,6 +23,10 @@ def count_lora_calls(policy: Policy) -> tuple[list[int], list]:
     handles = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
                for name, m in policy.model.named_modules() if name.endswith("lora_A.default")]
     return calls, handles
+
+
+def lora_layers(policy: Policy) -> list[torch.nn.Module]:
+    return [m for m in policy.model.modules() if hasattr(m, "lora_A")]
 
 
 def base_weights(policy: Policy) -> dict[str, torch.Tensor]:
@@ -56,14 +62,15 @@ def test_it_computes_the_adapted_policy_without_the_lora_path_and_restores_the_b
     assert torch.equal(after, adapted)
 
 
-def test_a_bfloat16_base_gets_the_float32_sum_rounded_once():
+def test_a_bfloat16_base_gets_the_float32_sum_rounded_once_even_under_autocast():
     policy = Policy("tiny-llama", dtype="bfloat16", lora_r=4)
     random_adapter(policy)
     layer = next(m for n, m in policy.model.named_modules() if n.endswith("q_proj"))
     weight = layer.get_base_layer().weight
     expected = (weight.float() + layer.get_delta_weight("default")).to(torch.bfloat16)
-    with policy.generation_model():
-        assert weight.dtype == torch.bfloat16 and torch.equal(weight, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the rollouts' precision context under bf16-mixed
+        with policy.generation_model():
+            assert weight.dtype == torch.bfloat16 and torch.equal(weight, expected)
 
 
 def test_an_error_inside_restores_the_base_weights():
@@ -74,6 +81,31 @@ def test_an_error_inside_restores_the_base_weights():
         raise RuntimeError("inside")
     assert all(torch.equal(p, before[n]) for n, p in base_weights(policy).items())
     assert all(not m.disable_adapters for n, m in policy.model.named_modules() if n.endswith("q_proj"))
+
+
+def test_an_error_while_merging_restores_the_layers_already_merged(monkeypatch):
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
+    random_adapter(policy)
+    before = {n: p.detach().clone() for n, p in base_weights(policy).items()}
+    fifth = [m for n, m in policy.model.named_modules() if n.endswith("_proj") and hasattr(m, "lora_A")][4]
+
+    def fail(adapter):
+        raise RuntimeError("no delta")
+
+    monkeypatch.setattr(fifth, "get_delta_weight", fail)
+    with pytest.raises(RuntimeError, match="no delta"), policy.generation_model():
+        pass
+    assert all(torch.equal(p, before[n]) for n, p in base_weights(policy).items())
+
+
+@pytest.mark.parametrize("extra", [{"use_dora": True}, {"lora_bias": True}], ids=["dora", "lora-bias"])
+def test_adapters_a_merge_would_misrepresent_generate_through_peft(tmp_path, extra):
+    """DoRA rescales the merged weight and a LoRA bias is not in the delta: such adapters are not merged."""
+    adapted = get_peft_model(load_causal_lm("tiny-llama"), LoraConfig(r=4, target_modules="all-linear", **extra))
+    adapted.save_pretrained(tmp_path / "adapter")
+    policy = Policy("tiny-llama", dtype="float32", adapter=str(tmp_path / "adapter"))
+    with policy.generation_model() as model:
+        assert model is policy.model and not any(m.disable_adapters for m in lora_layers(policy))
 
 
 @pytest.mark.parametrize("kwargs", [{"merged_generation": False}, {"lora": False}], ids=["opted-out", "full-ft"])

@@ -25,20 +25,8 @@ from pathlib import Path
 import torch
 
 from bridge_pl.cli import BridgeCLI
-from bridge_pl.eval_mode import eval_mode
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def token_logprobs(policy, batch, model, micro_batch: int = 8) -> torch.Tensor:
-    """``[B, T]`` log-probs of ``batch``'s tokens at its temperature under ``model`` (no grad)."""
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-    with torch.no_grad(), eval_mode(policy.model):
-        for start in range(0, len(batch.input_ids), micro_batch):
-            rows = slice(start, start + micro_batch)
-            out[rows] = policy(batch.input_ids[rows], batch.attention_mask[rows], temperature=batch.temperature,
-                               model=model)[0]
-    return out
 
 
 def main() -> None:
@@ -59,15 +47,15 @@ def main() -> None:
     if args.ckpt:
         module.load_state_dict(torch.load(args.ckpt, map_location="cpu", weights_only=True)["state_dict"], strict=False)
     policy = module.policy
-    if not policy._mergeable_lora_layers():
+    if not policy.generates_merged:
         raise SystemExit("this policy generates through its adapters (nothing merged): no gap to measure")
     batch = data.rollout(module, list(next(iter(data.train_dataloader()))), training=True, dataset="train")
-    with policy.generation_model() as merged:
-        sampler = token_logprobs(policy, batch, merged)
-    adapters = token_logprobs(policy, batch, policy.model)
-    one_row = token_logprobs(policy, batch, policy.model, micro_batch=1)
-    exact = copy.deepcopy(policy).float()
-    float32 = token_logprobs(exact, batch, exact.model)
+    ids, attn, temperature = batch.input_ids, batch.attention_mask, batch.temperature
+    with policy.generation_model():  # the policy's own model, merged in place
+        sampler = policy.logprobs(ids, attn, temperature=temperature)
+    adapters = policy.logprobs(ids, attn, temperature=temperature)
+    one_row = policy.logprobs(ids, attn, micro_batch=1, temperature=temperature)
+    float32 = copy.deepcopy(policy).float().logprobs(ids, attn, temperature=temperature)
     sampled = batch.action_mask.bool()
     print(f"{Path(args.config).name}, {policy.name} ({str(policy.weight_dtype).removeprefix('torch.')}), "
           f"checkpoint {args.ckpt or 'none (the initial adapter)'}: {len(sampled)} trajectories, {int(sampled.sum())} "

@@ -11,7 +11,8 @@ template), the rollout settings (``max_turns``, ``max_new_tokens_per_turn``, ``m
   finished rows pruned), with the policy's attention (``sdpa_decode``, :mod:`bridge_pl.attention`);
 - ``engine, plain SDPA``: the same engine with transformers' SDPA for the decode steps too;
 - ``engine, LoRA unmerged``: the engine generating through peft's LoRA layers, not with the adapters merged into
-  the base weights as every other method here and the data module do (``Policy.generation_model``);
+  the base weights as every other method here and the data module do (``Policy.generation_model``); only when
+  the policy merges for generation;
 - ``naive``: the Search-R1 way: every turn calls ``model.generate`` on the full prefix (prompt + all previous turns
   and observations re-encoded), with the same env, stop strings, search function and budgets;
 - ``single``: one ``model.generate`` producing, per row, as many tokens as the engine sampled on average (no turns,
@@ -146,9 +147,12 @@ def main() -> None:
             _, t_single = timed(lambda: model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=per_row,
                                                        min_new_tokens=per_row, **sampling))
         n_single = per_row * len(rows)
-    trajs_lora, t_lora = timed(lambda: engine.generate(policy.model, tok, prompts, search_fn, n_samples=n,
-                                                       generator=gen))
-    n_lora = sum(sum(t.action_mask) for t in trajs_lora)
+    rows_timed = [("engine (KV cache)", n_engine, t_engine), ("engine, plain SDPA", n_sdpa, t_sdpa)]
+    if policy.generates_merged:  # else every row already ran through the adapters
+        trajs_lora, t_lora = timed(lambda: engine.generate(policy.model, tok, prompts, search_fn, n_samples=n,
+                                                           generator=gen))
+        rows_timed.append(("engine, LoRA unmerged", sum(sum(t.action_mask) for t in trajs_lora), t_lora))
+    rows_timed += [("naive (re-encode)", n_naive, t_naive), ("single-turn generate", n_single, t_single)]
 
     turns = sum(t.turns for t in trajs) / len(trajs)
     n_searches = sum(len(t.searches) for t in trajs) / len(trajs)
@@ -161,9 +165,7 @@ def main() -> None:
           f"+ {env_tokens:.1f} env tokens per trajectory (load average {os.getloadavg()[0]:.2f}; timings need an "
           "idle machine)")
     print(f"{'method':<22}{'tokens':>8}{'seconds':>10}{'tokens/s':>11}{'vs engine':>11}")
-    for name, count, t in [("engine (KV cache)", n_engine, t_engine), ("engine, plain SDPA", n_sdpa, t_sdpa),
-                           ("engine, LoRA unmerged", n_lora, t_lora), ("naive (re-encode)", n_naive, t_naive),
-                           ("single-turn generate", n_single, t_single)]:
+    for name, count, t in rows_timed:
         print(f"{name:<22}{count:>8}{t:>10.2f}{count / t:>11.1f}{(count / t) / (n_engine / t_engine):>10.2f}x")
 
 

@@ -149,7 +149,7 @@ class Policy(nn.Module):
             raise FileNotFoundError(f"policy.adapter: no peft adapter (adapter_config.json) in '{adapter}'")
         self.name = model
         self.lora = lora
-        self.merged_generation = merged_generation and lora and not load_in_4bit  # no 4-bit weight to merge into
+        self.merged_generation = merged_generation
         self.logprob_chunk = logprob_chunk
         self.tokenizer = load_tokenizer(model)
         # full fine-tuning trains every weight: ``auto`` keeps them float32 (bf16 compute is bf16-mixed's job)
@@ -314,6 +314,11 @@ class Policy(nn.Module):
                 for weight, original in reversed(originals):
                     weight.copy_(original)
 
+    @property
+    def generates_merged(self) -> bool:
+        """Whether :meth:`generation_model` merges the adapters (else it yields the model as it is)."""
+        return bool(self._mergeable_lora_layers())
+
     def _mergeable_lora_layers(self) -> list[nn.Module]:
         """The LoRA layers :meth:`generation_model` merges; empty when it must generate through the adapters."""
         if not self.merged_generation or is_sharded(self.model):
@@ -420,8 +425,9 @@ class Policy(nn.Module):
         attention_mask: torch.Tensor,
         micro_batch: int = 8,
         reference: bool = False,
+        temperature: float = 1.0,
     ) -> torch.Tensor:
-        """``[B, T]`` log-probs without grad, ``micro_batch`` rows at a time (bounded memory).
+        """``[B, T]`` log-probs without grad at ``temperature``, ``micro_batch`` rows at a time (bounded memory).
 
         ``reference=True`` scores under the reference policy (:meth:`reference_mode`).
         """
@@ -430,7 +436,7 @@ class Policy(nn.Module):
         with context as model:
             for start in range(0, input_ids.shape[0], micro_batch):
                 rows = slice(start, start + micro_batch)
-                out[rows] = self(input_ids[rows], attention_mask[rows], model=model)[0]
+                out[rows] = self(input_ids[rows], attention_mask[rows], temperature=temperature, model=model)[0]
         return out
 
     def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -420,7 +420,9 @@ def run_warm(args: argparse.Namespace, adapter: str) -> dict:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     seed = [f"--seed_everything={args.seed}", f"--data.seed={args.seed}"] if args.seed is not None else []
-    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+    # No enable_checkpointing=false: Lightning refuses it beside the config's own checkpoint callback; the warm
+    # start runs in a fit of max_steps=0, which saves no checkpoint anyway.
+    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false",
                           f"--trainer.default_root_dir={Path(adapter).parent}",
                           "--trainer.max_steps=0", *seed, *args.override], run=False)
     warm = [c for c in cli.trainer.callbacks if isinstance(c, WarmStart)]
@@ -578,7 +580,12 @@ def main(argv: list[str] | None = None) -> int:
             if (cached / "adapter_config.json").is_file():  # the warm start is deterministic: reuse it
                 adapter = str(cached)
             else:
-                adapter = (spawn(args, "warm", tmp, out=str(cached)) or {}).get("adapter")
+                warm = spawn(args, "warm", tmp, out=str(cached))
+                if warm is None:  # measuring the untrained policy instead would answer another question
+                    print("iteration_bench: the warm start failed; use --no-warm-start to measure the config's "
+                          "policy as it is", file=sys.stderr)
+                    return 1
+                adapter = warm["adapter"]
         if adapter is not None:
             args.override.append(f"--model.policy.init_args.adapter={Path(adapter).resolve()}")
             print(f"iteration_bench: every process starts from the policy adapter {adapter}", file=sys.stderr)

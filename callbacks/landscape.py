@@ -53,9 +53,9 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import lightning.pytorch as pl
 import numpy as np
@@ -78,16 +78,27 @@ Teacher = Literal["lm", "answer", "random"]
 TARGETS: tuple[Target, ...] = get_args(Target)
 
 
-@dataclass
-class Probe:
-    """Fixed probe data: a rollout batch (CPU) for F; queries, candidates ``[Q, K′]``, ℓ ``[Q, K′]`` for G."""
+class PolicyProbe(NamedTuple):
+    """F's fixed probe data: a rollout batch (CPU) and the log-probs its surrogate holds fixed."""
 
     rollout: RolloutBatch
     old_logprobs: torch.Tensor  # [B, T] π_old of the rollout on its loss tokens
     ref_logprobs: torch.Tensor | None  # [B, T] the KL reference's log-probs there (None: no KL term)
+
+
+class RetrieverProbe(NamedTuple):
+    """G's fixed probe data: queries, their candidate rows ``[Q, K′]`` and teacher scores ℓ ``[Q, K′]``."""
+
     queries: list[str]
     rows: torch.Tensor
     teacher_scores: torch.Tensor
+
+
+class Probe(NamedTuple):
+    """The fixed probe data of each probed target (None for a target not probed: it costs a policy pass)."""
+
+    policy: PolicyProbe | None
+    retriever: RetrieverProbe | None
 
 
 class LossLandscape(pl.Callback):
@@ -173,7 +184,14 @@ class LossLandscape(pl.Callback):
 
     # ---- the probe data -----------------------------------------------------------------------
     def _build_probe(self, pl_module: pl.LightningModule, batch: RolloutBatch) -> Probe:
-        """Fixed probe data from this rank's current training batch (rank 0's is then broadcast)."""
+        """Fixed probe data from this rank's current training batch (rank 0's is then broadcast), for the targets
+        probed only: F's needs a policy pass over the whole batch, G's with ``teacher="lm"`` one over its credit
+        searches."""
+        return Probe(self._f_probe(pl_module, batch) if "policy" in self.targets else None,
+                     self._g_probe(pl_module, batch) if "retriever" in self.targets else None)
+
+    def _f_probe(self, pl_module: pl.LightningModule, batch: RolloutBatch) -> PolicyProbe:
+        """F's probe: the batch without its credit sequences, π_old and the reference's log-probs on it."""
         rollout = self._build_rollout(batch)
         with torch.no_grad():
             problem = pl_module.problem(move_data_to_device(rollout, pl_module.device), keep_credit_graph=False)
@@ -182,18 +200,16 @@ class LossLandscape(pl.Callback):
         ref_logprobs = None
         if pl_module.rl_config.kl_coef:
             ref_logprobs = old_logprobs if problem.ref_logprobs is None else problem.ref_logprobs.cpu()
-        return Probe(rollout, old_logprobs, ref_logprobs, *self._g_probe(pl_module, batch))
+        return PolicyProbe(rollout, old_logprobs, ref_logprobs)
 
-    def _g_probe(
-        self, pl_module: pl.LightningModule, batch: RolloutBatch
-    ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-        """The G probe's (queries, candidate rows ``[Q, K′]``, teacher scores ℓ ``[Q, K′]``); see ``teacher``."""
+    def _g_probe(self, pl_module: pl.LightningModule, batch: RolloutBatch) -> RetrieverProbe:
+        """G's probe: queries, candidate rows ``[Q, K′]`` and teacher scores ℓ ``[Q, K′]``; see ``teacher``."""
         if self.teacher == "lm" and batch.credit_searches.numel():
             searches = batch.credit_searches[: self.probe_queries]
             queries = [batch.search_queries[i] for i in searches.tolist()]
             with torch.no_grad():
                 teacher = pl_module.policy.branch_loglik(batch.credit_sequences[: len(queries)]).float().cpu()
-            return queries, batch.search_candidates[searches].cpu(), teacher
+            return RetrieverProbe(queries, batch.search_candidates[searches].cpu(), teacher)
         if self.teacher == "lm":
             rank_zero_info("LossLandscape: the probe batch has no LM-credit searches; G uses teacher='answer'.")
         questions = list(dict.fromkeys(batch.questions))[: self.probe_queries]
@@ -208,7 +224,7 @@ class LossLandscape(pl.Callback):
                 [[float(r >= 0 and _contains_answer(retriever.passage(r).contents, golds[q])) for r in row]
                  for q, row in zip(questions, rows.tolist())]
             )
-        return questions, rows, teacher
+        return RetrieverProbe(questions, rows, teacher)
 
     @staticmethod
     def _build_rollout(batch: RolloutBatch) -> RolloutBatch:
@@ -254,10 +270,11 @@ class LossLandscape(pl.Callback):
     ) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]] | None:
         """(loss closure, parameters) of ``target``, or None (said once) when it has nothing to probe."""
         if target == "policy":
-            rollout = move_data_to_device(self.probe.rollout, pl_module.device)
+            probe = self.probe.policy
+            rollout = move_data_to_device(probe.rollout, pl_module.device)
             problem = pl_module.problem(rollout, keep_credit_graph=False,
-                                        old_logprobs=self.probe.old_logprobs.to(pl_module.device),
-                                        ref_logprobs=move_data_to_device(self.probe.ref_logprobs, pl_module.device))
+                                        old_logprobs=probe.old_logprobs.to(pl_module.device),
+                                        ref_logprobs=move_data_to_device(probe.ref_logprobs, pl_module.device))
             if not is_sharded(pl_module.policy.model):
                 return problem.policy_loss, pl_module.policy.trainable_parameters()
 
@@ -278,7 +295,7 @@ class LossLandscape(pl.Callback):
         self, pl_module: pl.LightningModule, encoder: torch.nn.Module | None
     ) -> Callable[[], torch.Tensor]:
         """G(encoder) = mean_s KL(Q_s ‖ P(·|s)) on the fixed probe (``encoder=None``: φ)."""
-        probe, retrieval = self.probe, pl_module.retrieval_config
+        probe, retrieval = self.probe.retriever, pl_module.retrieval_config
         valid = probe.rows >= 0
 
         def loss() -> torch.Tensor:

@@ -22,6 +22,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from bridge_pl import landscape
 from bridge_pl.config import RetrievalSampling
+from bridge_pl.policy import Policy
+from bridge_pl.problem import RLProblem
 from callbacks.landscape import LossLandscape
 
 # zero_row_norm > 0: LoRA B is all zero at init, so Li et al.'s rule alone would leave the policy slice flat
@@ -168,6 +170,28 @@ def test_lm_teacher_is_the_solvers_teacher_of_the_batch(tmp_path):
     assert queries == [batch.search_queries[i] for i in batch.credit_searches[:n].tolist()]
     assert torch.equal(rows, batch.search_candidates[batch.credit_searches[:n]])
     assert torch.allclose(teacher, problem.lm_scores[:n], atol=1e-6)
+
+
+@pytest.mark.parametrize("target", ["policy", "retriever"])
+def test_a_probe_builds_only_what_its_target_uses(tmp_path, monkeypatch, target):
+    """F's probe data costs a policy pass over the whole batch (π_old), G's a branch pass over the credit searches:
+    a probe of one target runs neither pass of the other."""
+    module, data = tiny_module(tmp_path, "--model.mode=bridge")
+    with searching(module.policy):
+        batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
+    assert batch.credit_searches.numel() > 0
+    calls = {"old_logprobs": 0, "branch_loglik": 0}
+    for owner, name in [(RLProblem, "old_logprobs"), (Policy, "branch_loglik")]:
+        original = getattr(owner, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    probe = LossLandscape(targets=[target])._build_probe(module, batch)
+    assert (probe.policy is not None, probe.retriever is not None) == (target == "policy", target == "retriever")
+    assert calls == {"old_logprobs": int(target == "policy"), "branch_loglik": int(target == "retriever")}
 
 
 class CheckedLandscape(LossLandscape):

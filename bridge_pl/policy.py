@@ -541,3 +541,10 @@ def budget_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
             groups.append([i])
             longest = n
     return groups
+
+
+def length_sorted_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """:func:`budget_groups` over the indices ordered by length (shortest first, ties in index order), so that each
+    group's rows, padded to its longest, carry little padding."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    return [[order[i] for i in group] for group in budget_groups([lengths[i] for i in order], token_budget)]

@@ -16,7 +16,7 @@ from bridge_pl import rl
 from bridge_pl.config import RetrievalSampling, RLConfig
 from bridge_pl.distributed import any_across_ranks
 from bridge_pl.eval_mode import eval_mode
-from bridge_pl.policy import Policy, budget_groups
+from bridge_pl.policy import Policy, budget_groups, length_sorted_groups
 from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.credit import coupling_weights, lm_supervised_kl, plackett_luce_logprob
 from bridge_pl.rollout.batch import RolloutBatch
@@ -95,11 +95,15 @@ class RLProblem:
         self.stats: dict[str, float] = {}
         # The loss mask: policy tokens only, unless the ablation also trains on observations.
         self.mask = batch.action_mask if config.mask_observations else self._all_response_tokens()
+        # Micro-batches of rows of similar length (each is padded to its longest row; in batch order, the demo's
+        # update computed 21-23 % padding on two batches measured, 3-12 % sorted)
         lengths = batch.attention_mask.sum(-1).tolist()
-        self._row_groups = [slice(g[0], g[-1] + 1) for g in budget_groups(lengths, config.micro_batch_tokens)]
-        self._old_logprobs: dict[int, torch.Tensor] = {}  # micro-batch start row -> π_old log-probs [b, T_b]
+        device = batch.input_ids.device
+        self._row_groups = [torch.tensor(rows, device=device)
+                            for rows in length_sorted_groups(lengths, config.micro_batch_tokens)]
+        self._old_logprobs: dict[int, torch.Tensor] = {}  # micro-batch index -> π_old log-probs [b, T_b]
         if old_logprobs is not None:
-            self._old_logprobs = {rows.start: old_logprobs[self._cols(rows)] for rows in self._row_groups}
+            self._old_logprobs = {i: old_logprobs[self._cols(rows)] for i, rows in enumerate(self._row_groups)}
         with torch.no_grad():
             self.ref_logprobs = ref_logprobs if ref_logprobs is not None else self._reference_logprobs()
             self.seq_advantages, self.advantages, self.old_values, self.returns = self._advantages()
@@ -123,11 +127,11 @@ class RLProblem:
         after_prompt = (positions >= first) & self.batch.action_mask.any(-1, keepdim=True)
         return (after_prompt & self.batch.attention_mask.bool()).float()
 
-    def _cols(self, rows: slice) -> tuple[slice, slice]:
-        """``rows`` with the trailing padding they all share trimmed."""
+    def _cols(self, rows: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        """The cells of the rows ``rows`` (indices ``[b]``), the trailing padding they all share trimmed."""
         return rows, slice(0, int(self.batch.attention_mask[rows].sum(-1).max()))
 
-    def _forward_rows(self, cols: tuple[slice, slice], score_mask: torch.Tensor | None = None, **kwargs):
+    def _forward_rows(self, cols: tuple[torch.Tensor, slice], score_mask: torch.Tensor | None = None, **kwargs):
         """:meth:`Policy.forward` on the batch cells ``cols``, scoring the loss tokens unless ``score_mask``.
 
         Log-probs are those of the sampling policy: logits divided by the batch's sampling temperature.
@@ -152,11 +156,11 @@ class RLProblem:
     def old_logprobs(self) -> torch.Tensor:
         """``[B, T]`` π_old on the loss tokens (0 elsewhere); micro-batches not yet seen get a no-grad forward."""
         out = torch.zeros_like(self.mask)
-        for rows in self._row_groups:
+        for i, rows in enumerate(self._row_groups):
             cols = self._cols(rows)
-            if rows.start not in self._old_logprobs:
-                self._old_logprobs[rows.start] = self._forward_rows(cols)[0]
-            out[cols] = self._old_logprobs[rows.start]
+            if i not in self._old_logprobs:
+                self._old_logprobs[i] = self._forward_rows(cols)[0]
+            out[cols] = self._old_logprobs[i]
         return out
 
     def _advantages(self):
@@ -208,7 +212,7 @@ class RLProblem:
         self.stats["retriever/ratio_clip_fraction"] = float((clipped != ratios).float().mean())
         return clipped
 
-    def _part_weight(self, rows: slice) -> torch.Tensor:
+    def _part_weight(self, rows: torch.Tensor) -> torch.Tensor:
         """Share of the full-batch aggregate that the rows ``rows`` carry, so that parts sum to the whole."""
         if self.cfg.loss_agg == "token-mean":
             return self.mask[rows].sum() / self.mask.sum().clamp(min=1)
@@ -236,10 +240,10 @@ class RLProblem:
         for key in [k for k in self.stats if k.startswith(("policy/", "critic/"))]:
             del self.stats[key]
         advantages = self.policy_advantages()
-        for rows in self._row_groups:
+        for i, rows in enumerate(self._row_groups):
             weight = self._part_weight(rows)
             if weight > 0:
-                yield weight * self._policy_loss_rows(rows, advantages[self._cols(rows)], float(weight))
+                yield weight * self._policy_loss_rows(i, advantages[self._cols(rows)], float(weight))
 
     def policy_advantages(self) -> torch.Tensor:
         """``[B, T]`` advantages of the θ surrogate at the current φ (docs/method.md section 4.2).
@@ -258,14 +262,14 @@ class RLProblem:
             return rl.broadcast_to_tokens(seq, self.mask)
         return self.advantages * ratios[:, None]
 
-    def _policy_loss_rows(self, rows: slice, adv: torch.Tensor, weight: float) -> torch.Tensor:
-        """F on the trajectories ``rows`` with their token advantages ``adv`` ``[b, T_b]``; adds ``weight`` × its
-        stats to ``stats``."""
+    def _policy_loss_rows(self, group: int, adv: torch.Tensor, weight: float) -> torch.Tensor:
+        """F on the trajectories of micro-batch ``group`` with their token advantages ``adv`` ``[b, T_b]``; adds
+        ``weight`` × its stats to ``stats``."""
         cfg = self.cfg
-        cols = self._cols(rows)
+        cols = self._cols(self._row_groups[group])
         mask = self.mask[cols]
         logp, entropy, hidden = self._forward_rows(cols, entropy=True, entropy_grad=bool(cfg.entropy_coef))
-        old = self._old_logprobs.setdefault(rows.start, logp.detach())  # π_old: this first forward, detached
+        old = self._old_logprobs.setdefault(group, logp.detach())  # π_old: this first forward, detached
         clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
         loss = rl.policy_loss(logp, old, adv, mask, agg=cfg.loss_agg, **clip)
         stats = rl.policy_loss_stats(logp, old, adv, mask, **clip)

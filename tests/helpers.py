@@ -121,3 +121,30 @@ def fit_tiny(tmp_path: Path, *overrides: str, callbacks: tuple[L.Callback, ...] 
     with searching(cli.model.policy) if search else contextlib.nullcontext():
         cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt_path)
     return cli
+
+
+def policy_loss_logprob_grads(policy, problem) -> torch.Tensor:
+    """``[B, T]``: d(``problem.policy_loss()``)/d(log-prob) of every cell of the problem's batch, in batch order.
+
+    Backpropagates the loss with the log-probs of each of the problem's micro-batches retained, then puts each
+    micro-batch's rows back in their batch places (micro-batches group rows by length, not in batch order).
+    """
+    parts = []
+    forward = policy.forward
+
+    def capture(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if out[0].requires_grad:
+            out[0].retain_grad()
+            parts.append(out[0])
+        return out
+
+    policy.forward = capture
+    try:
+        problem.policy_loss().backward()
+    finally:
+        del policy.forward  # the class's method again
+    grad = torch.zeros_like(problem.mask)
+    for rows, logp in zip(problem._row_groups, parts, strict=True):
+        grad[rows, : logp.shape[1]] = logp.grad
+    return grad

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import searching, tiny_module
+from helpers import policy_loss_logprob_grads, searching, tiny_module
 
 from bridge_pl.bilevel import make_solver
 
@@ -85,25 +85,12 @@ def test_after_a_phi_step_each_groups_policy_advantages_still_sum_to_zero(tmp_pa
 
 def test_unmasked_ablation_trains_observation_tokens_from_their_real_old_logprobs(tmp_path, city_qa):
     module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", "--model.rl.mask_observations=false", qa=city_qa)
-    # one micro-batch: the captured logp below covers the batch
-    module.rl_config = replace(module.rl_config, micro_batch_tokens=10**6)
     problem = module.problem(batch, keep_credit_graph=False)
     observations = problem.mask.bool() & (batch.action_mask == 0)
     assert observations.sum() > 50  # the ablation's loss covers retrieved tokens
-    captured = {}
-    forward = module.policy.forward
-
-    def capture(*args, **kwargs):
-        logp, entropy, hidden = forward(*args, **kwargs)
-        logp.retain_grad()
-        captured["logp"] = logp
-        return logp, entropy, hidden
-
-    module.policy.forward = capture
-    problem.policy_loss().backward()
+    grad = policy_loss_logprob_grads(module.policy, problem)
     # π_old is the real policy on every loss token: the ratio starts at exactly 1, nothing is clipped
     assert problem.stats["policy/approx_kl"] == 0.0 and problem.stats["policy/clip_fraction"] == 0.0
-    grad = captured["logp"].grad
     in_loss = problem.mask.bool()
     rows_with_signal = problem.seq_advantages != 0
     # with ratio 1 every loss token of a trajectory gets the same gradient -A_i / N, observations included

@@ -8,7 +8,13 @@ from helpers import fit_tiny
 from peft import PeftModel
 
 from bridge_pl.models import load_causal_lm
-from bridge_pl.policy import BranchedSequence, Policy, enable_activation_checkpointing
+from bridge_pl.policy import (
+    BranchedSequence,
+    Policy,
+    budget_groups,
+    enable_activation_checkpointing,
+    length_sorted_groups,
+)
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchCall, SearchOutcome, Trajectory
 
@@ -247,3 +253,17 @@ def test_activation_checkpointing_is_enabled_without_a_deprecation_warning():
         warnings.simplefilter("error")
         enable_activation_checkpointing(model)
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_length_sorted_groups_put_rows_of_similar_length_together():
+    lengths = [400, 100, 390, 110, 380, 120]
+    in_batch_order = budget_groups(lengths, 800)
+    assert in_batch_order == [[0, 1], [2, 3], [4, 5]]  # each long row padded beside a short one
+    groups = length_sorted_groups(lengths, 800)
+    assert groups == [[1, 3, 5], [4, 2], [0]]
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+
+    def cells(gs):  # rows x padded length, summed: what the forwards compute
+        return sum(len(g) * max(lengths[i] for i in g) for g in gs)
+
+    assert (cells(in_batch_order), cells(groups)) == (2340, 1540)

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bridge_pl.attention import use_decode_attention
+from bridge_pl.attention import MIN_SHARED_PREFIX, SharedPrefixKV, use_decode_attention
+from bridge_pl.attention import NAME as SHARED_PREFIX_ATTENTION
 from bridge_pl.distributed import (
     call_under_root,
     decoder_layers,
@@ -387,11 +388,15 @@ class Policy(nn.Module):
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         backbone = getattr(hf, hf.base_model_prefix)
         head = hf.get_output_embeddings()
+        prefix = self._shared_prefix_length(hf, input_ids, attention_mask, position_ids)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        if prefix:
+            hidden = _backbone_after_shared_prefix(backbone, input_ids, attention_mask, position_ids, prefix)
+        else:
+            hidden = backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
         if score_mask is None:
             score_mask = attention_mask if attention_mask.dim() == 2 else torch.ones_like(input_ids)
         score_mask = score_mask.bool().clone()
@@ -417,6 +422,20 @@ class Policy(nn.Module):
             if ent_flat:
                 ent = ent.index_put((rows, cols), torch.cat(ent_flat))
         return logp, ent, hidden
+
+    def _shared_prefix_length(
+        self, hf: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None
+    ) -> int:
+        """Leading tokens that every row of a 2-D-masked batch has, real in every row, when the forward may run
+        them once (0 otherwise): at least ``MIN_SHARED_PREFIX``, at most the width - 1, with bridge-pl's attention
+        (:class:`~bridge_pl.attention.SharedPrefixKV`), default positions and unsharded weights. The rows of a
+        rollout batch start with the same system prompt and instruction (116 tokens of the demo's ~335)."""
+        if (attention_mask.dim() != 2 or input_ids.shape[0] < 2 or position_ids is not None or is_sharded(self.model)
+                or getattr(hf.config, "_attn_implementation", None) != SHARED_PREFIX_ATTENTION):
+            return 0
+        same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)
+        length = min(int(same.long().cumprod(0).sum()), input_ids.shape[1] - 1)
+        return length if length >= MIN_SHARED_PREFIX else 0
 
     @torch.no_grad()
     def logprobs(
@@ -527,6 +546,20 @@ class Policy(nn.Module):
         """Only what trains (adapters, or all weights for full fine-tuning): what a checkpoint holds."""
         names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         return {k: v for k, v in self.model.state_dict().items() if k in names}
+
+
+def _backbone_after_shared_prefix(
+    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The backbone's last hidden states ``[B, T, H]`` with the first ``length`` positions (the same tokens, real, in
+    every row) run once, as one row, and each row's remainder attending to that prefix's keys and values; the prefix's
+    gradient is the sum of the rows'. Same function as one forward over the batch."""
+    shared = SharedPrefixKV()
+    head = backbone(input_ids=input_ids[:1, :length], attention_mask=attention_mask[:1, :length],
+                    position_ids=position_ids[:1, :length], use_cache=False, record_prefix=shared).last_hidden_state
+    rest = backbone(input_ids=input_ids[:, length:], attention_mask=attention_mask[:, length:],
+                    position_ids=position_ids[:, length:], use_cache=False, after_prefix=shared).last_hidden_state
+    return torch.cat([head.expand(input_ids.shape[0], -1, -1), rest], dim=1)
 
 
 def budget_groups(lengths: Sequence[int], token_budget: int) -> list[list[int]]:

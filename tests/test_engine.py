@@ -17,10 +17,11 @@ import pytest
 import torch
 from helpers import bigram_bias
 
+from bridge_pl.attention import MIN_SHARED_PREFIX
 from bridge_pl.data.qa import Passage
 from bridge_pl.models import load_causal_lm, load_tokenizer
 from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
-from bridge_pl.rollout.engine import _MIN_SHARED_PREFIX, _common_prefix_length
+from bridge_pl.rollout.engine import _common_prefix_length
 
 BIAS = 30.0
 
@@ -211,7 +212,7 @@ def test_kv_cache_decoding_equals_full_prefix_greedy(model, tok, env, lead):
     lt, sp_lt = one(tok, "<"), one(tok, " <")
     texts = ["Search please:", "a somewhat longer prompt, then answer?", "free"]
     prompts = [ids(tok, lead + text) for text in texts]
-    assert (_common_prefix_length(prompts) >= _MIN_SHARED_PREFIX) == bool(lead)
+    assert (_common_prefix_length(prompts) >= MIN_SHARED_PREFIX) == bool(lead)
     # prompt 0 searches every turn (then free text), prompt 1 answers at once, prompt 2 is free text
     table = grammar_table(tok) | chain([prompts[0][-1], lt]) | chain([prompts[1][-1], sp_lt])
     table[ids(tok, env.observation([]))[-1]] = {lt: BIAS}

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from bridge_pl.attention import MIN_SHARED_PREFIX
 from bridge_pl.data.qa import Passage
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.rollout.env import Action, SearchEnv
@@ -87,7 +88,6 @@ class _Rollout:
 
 
 # transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes away).
-_MIN_SHARED_PREFIX = 16  # shorter shared prefixes are not worth a separate forward
 _CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 SearchFn = Callable[[list[str]], list[SearchOutcome]]
@@ -245,7 +245,7 @@ class RolloutEngine:
         remainder follows, left-padded (the hole between the two is masked and positions come from the mask).
         """
         shared = _common_prefix_length(prompts) if len(prompts) > 1 else 0
-        if shared < _MIN_SHARED_PREFIX:
+        if shared < MIN_SHARED_PREFIX:
             ids, attn = _left_pad([list(p) for p in prompts], pad_id, device)
             logits, cache = _forward(model, ids, attn, None)
             return logits, cache, attn

@@ -1,0 +1,81 @@
+"""Training forwards compute a prefix shared by every row once (``SharedPrefixKV``): same log-probs and gradients
+as each row on its own, with and without activation checkpointing, and fewer tokens through the layers."""
+
+import pytest
+import torch
+
+from bridge_pl.policy import Policy
+
+
+def _policy(checkpointing: bool) -> Policy:
+    torch.manual_seed(0)
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4, gradient_checkpointing=checkpointing)
+    with torch.no_grad():  # a non-zero adapter, so that its gradient reaches A as well as B
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return policy
+
+
+def _right_padded(prefix: list[int], rests: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [prefix + rest for rest in rests]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        attn[r, : len(row)] = 1
+    return ids, attn
+
+
+def _layer_tokens(policy: Policy) -> tuple[list[int], object]:
+    """Tokens (rows x positions) each forward sends through the first decoder layer."""
+    seen: list[int] = []
+    layer = policy.hf_model.model.layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0] * args[0].shape[1]))
+    return seen, handle
+
+
+def _loss_and_grads(policy: Policy, ids: torch.Tensor, attn: torch.Tensor, score: torch.Tensor):
+    logp = policy(ids, attn, score_mask=score)[0]
+    params = policy.trainable_parameters()
+    grads = torch.autograd.grad((logp * score).sum(), params)
+    return logp.detach(), torch.cat([g.flatten() for g in grads])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_shared_prefix_gives_each_rows_own_logprobs_and_gradient(checkpointing):
+    policy = _policy(checkpointing)
+    policy.model.train()
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(5, 1000, (20,), generator=g).tolist()
+    rests = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (7, 12, 3)]
+    ids, attn = _right_padded(prefix, rests, policy.tokenizer.pad_token_id)
+    score = attn.clone()
+    score[:, :10] = 0  # scored tokens in the prefix's second half and after it
+    seen, handle = _layer_tokens(policy)
+    logp, grads = _loss_and_grads(policy, ids, attn, score)
+    shared_tokens = seen[0] + seen[1]
+    seen.clear()
+    alone = [_loss_and_grads(policy, ids[r : r + 1], attn[r : r + 1], score[r : r + 1]) for r in range(3)]
+    handle.remove()
+    assert shared_tokens == 20 + 3 * (ids.shape[1] - 20)  # the prefix once, then each row's remainder
+    assert sum(seen) == 3 * ids.shape[1]  # a single row has nothing to share
+    assert torch.allclose(logp, torch.cat([lp for lp, _ in alone]), atol=1e-5)
+    assert torch.allclose(grads, sum(gr for _, gr in alone), atol=1e-5, rtol=1e-4)
+
+
+def test_rows_that_differ_early_or_are_left_padded_are_run_as_they_are():
+    policy = _policy(False)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(5, 1000, (2, 30), generator=g)
+    ids[1, :25] = ids[0, :25]
+    attn = torch.ones_like(ids)
+    attn[:, :10] = 0  # left padding: the common tokens are not real in every row
+    seen, handle = _layer_tokens(policy)
+    with torch.no_grad():
+        policy(ids, attn)
+        ids[1, :25] = ids[0, :25] + 1  # no common prefix
+        policy(ids, torch.ones_like(ids))
+    handle.remove()
+    assert seen == [60, 60]

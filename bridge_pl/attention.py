@@ -6,6 +6,9 @@ padded (transformers then passes no mask) it took 61 % of a decode step in a pro
 (``benchmarks/decode_attention_bench.py`` times both). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched
 matmul over the grouped heads, a float32 softmax and a second matmul do it without copying the cache.
 Every other call (prefill, an observation fed to the cache, training forwards) goes to transformers' SDPA.
+
+It is also where a training forward's shared prefix is recorded and read (:class:`SharedPrefixKV`): the keys and
+values of the leading tokens every row has, run once, are put ahead of each row's own.
 """
 
 from __future__ import annotations

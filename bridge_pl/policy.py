@@ -426,15 +426,28 @@ class Policy(nn.Module):
     def _shared_prefix_length(
         self, hf: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None
     ) -> int:
-        """Leading tokens that every row of a 2-D-masked batch has, real in every row, when the forward may run
-        them once (0 otherwise): at least ``MIN_SHARED_PREFIX``, at most the width - 1, with bridge-pl's attention
-        (:class:`~bridge_pl.attention.SharedPrefixKV`), default positions and unsharded weights. The rows of a
-        rollout batch start with the same system prompt and instruction (116 tokens of the demo's ~335)."""
-        if (attention_mask.dim() != 2 or input_ids.shape[0] < 2 or position_ids is not None or is_sharded(self.model)
+        """Leading positions that a forward may run once, as one row (0: none): the same real tokens in every row,
+        at positions 0, 1, ..., seen by every later position of every row and seeing only each other, causally.
+        That is a 2-D-masked batch's common prefix, or the part of a 4-D mask with its ``position_ids`` that is
+        one (e.g. LM credit's packed rows, whose prompt every row shares). At least ``MIN_SHARED_PREFIX``, at most
+        the width - 1, with bridge-pl's attention (:class:`~bridge_pl.attention.SharedPrefixKV`) and unsharded
+        weights. A rollout batch's rows start with the same system prompt and instruction (116 tokens of the
+        demo's ~335)."""
+        rows, width = input_ids.shape
+        positions_as_default = position_ids is None  # what a 2-D mask needs; a 4-D one comes with its positions
+        if (rows < 2 or is_sharded(self.model) or positions_as_default != (attention_mask.dim() == 2)
                 or getattr(hf.config, "_attn_implementation", None) != SHARED_PREFIX_ATTENTION):
             return 0
-        same = (input_ids == input_ids[:1]).all(0) & attention_mask.bool().all(0)
-        length = min(int(same.long().cumprod(0).sum()), input_ids.shape[1] - 1)
+        leading = (input_ids == input_ids[:1]).all(0)
+        if attention_mask.dim() == 2:
+            leading &= attention_mask.bool().all(0)
+        else:
+            mask = attention_mask[:, 0].bool()  # [B, query, key]
+            causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
+            leading &= (position_ids == torch.arange(width, device=position_ids.device)).all(0)
+            leading &= (mask | ~causal).all(1).all(0)  # key k: every query from k on, in every row, sees it
+            leading &= (mask == causal).all(2).all(0)  # query q: sees exactly the keys up to q
+        length = min(int(leading.long().cumprod(0).sum()), width - 1)
         return length if length >= MIN_SHARED_PREFIX else 0
 
     @torch.no_grad()
@@ -505,8 +518,9 @@ class Policy(nn.Module):
             segment[r, start:] = -2
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         q, kv = segment[:, :, None], segment[:, None, :]
-        attend = causal & ((kv == -1) | (q == kv)) & (q != -2)
-        attend |= torch.eye(T, dtype=torch.bool)  # padding attends to itself: no empty softmax rows (NaN)
+        # padding (unscored) attends to the prefix and itself, like a branch: no empty softmax rows (NaN), and the
+        # prefix is seen by every later position, so a prompt the rows share can run once (_shared_prefix_length)
+        attend = causal & ((kv == -1) | (q == kv))
         ids, positions, score = ids.to(device), positions.to(device), score.to(device)
         logp = self(ids, attend[:, None].to(device), score_mask=score, position_ids=positions)[0]
         per_branch = torch.zeros(len(rows), K, dtype=torch.float32, device=device)
@@ -551,13 +565,15 @@ class Policy(nn.Module):
 def _backbone_after_shared_prefix(
     backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, length: int
 ) -> torch.Tensor:
-    """The backbone's last hidden states ``[B, T, H]`` with the first ``length`` positions (the same tokens, real, in
-    every row) run once, as one row, and each row's remainder attending to that prefix's keys and values; the prefix's
-    gradient is the sum of the rows'. Same function as one forward over the batch."""
+    """The backbone's last hidden states ``[B, T, H]`` with the first ``length`` positions (a prefix every row
+    shares, :meth:`Policy._shared_prefix_length`) run once, as one row, and each row's remainder attending to that
+    prefix's keys and values under the rest of its 2-D or 4-D mask; the prefix's gradient is the sum of the rows'.
+    Same function as one forward over the batch."""
     shared = SharedPrefixKV()
-    head = backbone(input_ids=input_ids[:1, :length], attention_mask=attention_mask[:1, :length],
+    head = backbone(input_ids=input_ids[:1, :length], attention_mask=torch.ones_like(input_ids[:1, :length]),
                     position_ids=position_ids[:1, :length], use_cache=False, record_prefix=shared).last_hidden_state
-    rest = backbone(input_ids=input_ids[:, length:], attention_mask=attention_mask[:, length:],
+    rest_mask = attention_mask[:, length:] if attention_mask.dim() == 2 else attention_mask[:, :, length:, length:]
+    rest = backbone(input_ids=input_ids[:, length:], attention_mask=rest_mask,
                     position_ids=position_ids[:, length:], use_cache=False, after_prefix=shared).last_hidden_state
     return torch.cat([head.expand(input_ids.shape[0], -1, -1), rest], dim=1)
 

@@ -1,10 +1,11 @@
 """Training forwards compute a prefix shared by every row once (``SharedPrefixKV``): same log-probs and gradients
-as each row on its own, with and without activation checkpointing, and fewer tokens through the layers."""
+as each row on its own, with and without activation checkpointing, for right-padded rows and for LM credit's packed
+rows (4-D masks), and fewer tokens through the layers."""
 
 import pytest
 import torch
 
-from bridge_pl.policy import Policy
+from bridge_pl.policy import BranchedSequence, Policy
 
 
 def _policy(checkpointing: bool) -> Policy:
@@ -79,3 +80,30 @@ def test_rows_that_differ_early_or_are_left_padded_are_run_as_they_are():
         policy(ids, torch.ones_like(ids))
     handle.remove()
     assert seen == [60, 60]
+
+
+def test_lm_credit_rows_share_their_prompt_and_score_as_each_sequence_alone():
+    policy = _policy(True)
+    policy.model.train()
+    g = torch.Generator().manual_seed(3)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(5, 1000, (n,), generator=g).tolist()
+
+    prompt = tokens(20)  # every sequence's context starts with it, then its own trajectory up to the search
+    sequences = [BranchedSequence(prompt + tokens(n), [tokens(4), tokens(6), tokens(3)], tokens(2)) for n in (5, 9, 2)]
+    params = policy.trainable_parameters()
+
+    def scores_and_grads(seqs):
+        scores = policy.branch_loglik(seqs)
+        return scores.detach(), torch.cat([g.flatten() for g in torch.autograd.grad(scores.sum(), params)])
+
+    seen, handle = _layer_tokens(policy)
+    scores, grads = scores_and_grads(sequences)
+    packed = max(seq.length for seq in sequences)
+    shared_tokens = seen[:2]
+    alone = [scores_and_grads([seq]) for seq in sequences]
+    handle.remove()
+    assert shared_tokens == [20, 3 * (packed - 20)]  # the prompt once, then each packed row's remainder
+    assert torch.allclose(scores, torch.cat([s for s, _ in alone]), atol=1e-5)
+    assert torch.allclose(grads, sum(gr for _, gr in alone), atol=1e-5, rtol=1e-4)

@@ -64,9 +64,10 @@ Floors, in their own subprocess with the same config and seed, which regenerates
 - generate: one single-turn ``policy.model.generate`` (sampling, no search) for the batch's rows from the same
   prompts, with ``min_new_tokens = max_new_tokens`` = the mean number of policy-sampled tokens per trajectory;
 - update: one forward + backward over the batch's tokens, ``(policy(ids, attn)[0] * action_mask).sum().backward()``,
-  with ``score_mask=action_mask`` so the LM head runs only on the tokens the sum reads (same value and gradients;
-  without it the head runs on every token, which on a small model with a large vocabulary costs more than the
-  whole RL update and would be no floor).
+  over the micro-batches the update uses (rows of similar length under ``model.rl.micro_batch_tokens``; one forward
+  over the whole padded batch took twice the update's time), with ``score_mask=action_mask`` so the LM head runs
+  only on the tokens the sum reads (same value and gradients; without it the head runs on every token, which on a
+  small model with a large vocabulary costs more than the whole RL update and would be no floor).
 
 Usage (timings need an otherwise idle machine)::
 
@@ -437,6 +438,8 @@ def run_floors(args: argparse.Namespace, root: str) -> dict:
     """Child: the generate floor and the update floor on the ``frozen`` batch (module doc)."""
     import torch
 
+    from bridge_pl.policy import length_sorted_groups
+
     module, data = build(args, "frozen", root)
     examples = first_batch(data)
     warm_up(module, data, examples)
@@ -465,9 +468,13 @@ def run_floors(args: argparse.Namespace, root: str) -> dict:
         model.train()
     assert out.shape[1] - width == n_tokens, (out.shape, width, n_tokens)
 
-    start = time.perf_counter()  # score_mask: the LM head only where the sum below reads (same value and grads)
-    logp = policy(batch.input_ids, batch.attention_mask, score_mask=batch.action_mask)[0]
-    (logp * batch.action_mask).sum().backward()
+    lengths = batch.attention_mask.sum(-1).tolist()
+    start = time.perf_counter()
+    for rows in length_sorted_groups(lengths, module.rl_config.micro_batch_tokens):  # the update's micro-batches
+        cells = (rows, slice(0, max(lengths[i] for i in rows)))
+        mask = batch.action_mask[cells]  # score_mask: the LM head only where the sum reads (same value and grads)
+        logp = policy(batch.input_ids[cells], batch.attention_mask[cells], score_mask=mask)[0]
+        (logp * mask).sum().backward()
     update_s = time.perf_counter() - start
     return {"generate_s": generate_s, "update_s": update_s, "generate_rows": len(rows),
             "generate_tokens": n_tokens, "shape": shape(batch, data)}

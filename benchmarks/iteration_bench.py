@@ -470,8 +470,8 @@ def run_floors(args: argparse.Namespace, root: str) -> dict:
 
     lengths = batch.attention_mask.sum(-1).tolist()
     start = time.perf_counter()
-    for rows in length_sorted_groups(lengths, module.rl_config.micro_batch_tokens):  # the update's micro-batches
-        cells = (rows, slice(0, max(lengths[i] for i in rows)))
+    for group in length_sorted_groups(lengths, module.rl_config.micro_batch_tokens):  # the update's micro-batches
+        cells = (group, slice(0, max(lengths[i] for i in group)))
         mask = batch.action_mask[cells]  # score_mask: the LM head only where the sum reads (same value and grads)
         logp = policy(batch.input_ids[cells], batch.attention_mask[cells], score_mask=mask)[0]
         (logp * mask).sum().backward()

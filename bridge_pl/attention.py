@@ -5,7 +5,8 @@ into a query of length ``n_heads / n_kv_heads``) runs a flash kernel built for l
 padded (transformers then passes no mask) it took 61 % of a decode step in a profile of the demo's policy
 (``benchmarks/decode_attention_bench.py`` times both). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched
 matmul over the grouped heads, a float32 softmax and a second matmul do it without copying the cache.
-Every other call (prefill, an observation fed to the cache, training forwards) goes to transformers' SDPA.
+Every other call (prefill, an observation fed to the cache, training forwards of more than one new token) goes to
+transformers' SDPA.
 
 It is also where a training forward's shared prefix is recorded and read (:class:`SharedPrefixKV`): the keys and
 values of the leading tokens every row has, run once, are put ahead of each row's own.

@@ -13,6 +13,7 @@ packed row (:meth:`Policy.branch_loglik`).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -170,7 +171,10 @@ class Policy(nn.Module):
             if load_in_4bit:
                 from peft import prepare_model_for_kbit_training
 
-                base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=gradient_checkpointing)
+                # non-reentrant, as enable_activation_checkpointing set it: peft would otherwise switch the layers to
+                # torch's reentrant default, whose forward runs without grad (a shared prefix would get none)
+                base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=gradient_checkpointing,
+                                                       gradient_checkpointing_kwargs={"use_reentrant": False})
             if adapter is not None:
                 self.model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
                 self.rebase_reference()
@@ -391,9 +395,11 @@ class Policy(nn.Module):
         prefix = self._shared_prefix_length(hf, input_ids, attention_mask, position_ids)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = None
         if prefix:
-            hidden = _backbone_after_shared_prefix(backbone, input_ids, attention_mask, position_ids, prefix)
-        else:
+            hidden = _backbone_after_shared_prefix(backbone, input_ids, attention_mask, position_ids, prefix,
+                                                   hf.config.num_hidden_layers)
+        if hidden is None:
             hidden = backbone(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
@@ -430,13 +436,14 @@ class Policy(nn.Module):
         at positions 0, 1, ..., seen by every later position of every row and seeing only each other, causally.
         That is a 2-D-masked batch's common prefix, or the part of a 4-D mask with its ``position_ids`` that is
         one (e.g. LM credit's packed rows, whose prompt every row shares). At least ``MIN_SHARED_PREFIX``, at most
-        the width - 1, with bridge-pl's attention (:class:`~bridge_pl.attention.SharedPrefixKV`) and unsharded
-        weights. A rollout batch's rows start with the same system prompt and instruction (116 tokens of the
-        demo's ~335)."""
+        the width - 1, with bridge-pl's attention (:class:`~bridge_pl.attention.SharedPrefixKV`) in full-attention
+        layers only (a sliding window would have to cut the prefix per query) and unsharded weights. A rollout
+        batch's rows start with the same system prompt and instruction (116 tokens of the demo's ~335)."""
         rows, width = input_ids.shape
         positions_as_default = position_ids is None  # what a 2-D mask needs; a 4-D one comes with its positions
         if (rows < 2 or is_sharded(self.model) or positions_as_default != (attention_mask.dim() == 2)
-                or getattr(hf.config, "_attn_implementation", None) != SHARED_PREFIX_ATTENTION):
+                or getattr(hf.config, "_attn_implementation", None) != SHARED_PREFIX_ATTENTION
+                or not _full_attention_only(hf.config)):
             return 0
         leading = (input_ids == input_ids[:1]).all(0)
         if attention_mask.dim() == 2:
@@ -562,16 +569,38 @@ class Policy(nn.Module):
         return {k: v for k, v in self.model.state_dict().items() if k in names}
 
 
+def _full_attention_only(config) -> bool:
+    """Whether every decoder layer of a transformers ``config`` attends to all earlier positions (no sliding window,
+    chunked attention or layer kinds other than ``full_attention``)."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return all(kind == "full_attention" for kind in kinds)
+    return getattr(config, "sliding_window", None) is None and getattr(config, "attention_chunk_size", None) is None
+
+
 def _backbone_after_shared_prefix(
-    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, length: int
-) -> torch.Tensor:
+    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, length: int,
+    layers: int,
+) -> torch.Tensor | None:
     """The backbone's last hidden states ``[B, T, H]`` with the first ``length`` positions (a prefix every row
     shares, :meth:`Policy._shared_prefix_length`) run once, as one row, and each row's remainder attending to that
     prefix's keys and values under the rest of its 2-D or 4-D mask; the prefix's gradient is the sum of the rows'.
-    Same function as one forward over the batch."""
+    Same function as one forward over the batch, except that dropout (LoRA's, attention's) draws one mask for the
+    prefix instead of one per row.
+
+    None (after the prefix pass; the caller then runs the batch as it is) when not all ``layers`` recorded their keys
+    and values, or none came with grad where the prefix's output has it (reentrant checkpointing runs its forward
+    without grad): sharing would be wrong there, not only slow.
+    """
     shared = SharedPrefixKV()
     head = backbone(input_ids=input_ids[:1, :length], attention_mask=torch.ones_like(input_ids[:1, :length]),
                     position_ids=position_ids[:1, :length], use_cache=False, record_prefix=shared).last_hidden_state
+    grad_lost = head.requires_grad and not any(key.requires_grad for key in [*shared.keys.values(),
+                                                                              *shared.values.values()])
+    if len(shared.keys) != layers or grad_lost:
+        warnings.warn("bridge-pl: the policy's layers did not record a shared prefix (or recorded it without grad); "
+                      "its forwards run every row in full", stacklevel=3)
+        return None
     rest_mask = attention_mask[:, length:] if attention_mask.dim() == 2 else attention_mask[:, :, length:, length:]
     rest = backbone(input_ids=input_ids[:, length:], attention_mask=rest_mask,
                     position_ids=position_ids[:, length:], use_cache=False, after_prefix=shared).last_hidden_state

@@ -145,6 +145,7 @@ def policy_loss_logprob_grads(policy, problem) -> torch.Tensor:
     finally:
         del policy.forward  # the class's method again
     grad = torch.zeros_like(problem.mask)
-    for rows, logp in zip(problem._row_groups, parts, strict=True):
+    with_tokens = [rows for rows in problem._row_groups if problem._part_weight(rows) > 0]  # the others run no forward
+    for rows, logp in zip(with_tokens, parts, strict=True):
         grad[rows, : logp.shape[1]] = logp.grad
     return grad

@@ -267,3 +267,13 @@ def test_length_sorted_groups_put_rows_of_similar_length_together():
         return sum(len(g) * max(lengths[i] for i in g) for g in gs)
 
     assert (cells(in_batch_order), cells(groups)) == (2340, 1540)
+
+
+def test_qlora_checkpoints_without_reentrant_forwards():
+    """peft's k-bit preparation would switch checkpointing to torch's reentrant default, whose forward runs without
+    grad (a shared prefix would then train nothing through it); the policy keeps it non-reentrant."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes >= 0.45 (in the dev extra) runs NF4 on CPU")
+    policy = Policy("tiny-llama", load_in_4bit=True, gradient_checkpointing=True)
+    layers = [m for m in policy.modules() if type(m).__name__.endswith("DecoderLayer")]
+    assert layers and all(m.gradient_checkpointing for m in layers)
+    assert all(m._gradient_checkpointing_func.keywords.get("use_reentrant") is False for m in layers)

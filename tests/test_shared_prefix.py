@@ -5,7 +5,7 @@ rows (4-D masks), and fewer tokens through the layers."""
 import pytest
 import torch
 
-from bridge_pl.policy import BranchedSequence, Policy
+from bridge_pl.policy import BranchedSequence, Policy, _full_attention_only
 
 
 def _policy(checkpointing: bool) -> Policy:
@@ -69,17 +69,17 @@ def test_a_shared_prefix_gives_each_rows_own_logprobs_and_gradient(checkpointing
 def test_rows_that_differ_early_or_are_left_padded_are_run_as_they_are():
     policy = _policy(False)
     g = torch.Generator().manual_seed(2)
-    ids = torch.randint(5, 1000, (2, 30), generator=g)
-    ids[1, :25] = ids[0, :25]
+    ids = torch.randint(5, 1000, (2, 40), generator=g)
+    ids[1, :35] = ids[0, :35]
     attn = torch.ones_like(ids)
-    attn[:, :10] = 0  # left padding: the common tokens are not real in every row
+    attn[:, :10] = 0  # left padding: 25 common real tokens follow it, but the row's first tokens are not real
     seen, handle = _layer_tokens(policy)
     with torch.no_grad():
         policy(ids, attn)
-        ids[1, :25] = ids[0, :25] + 1  # no common prefix
+        ids[1, :35] = ids[0, :35] + 1  # no common prefix
         policy(ids, torch.ones_like(ids))
     handle.remove()
-    assert seen == [60, 60]
+    assert seen == [80, 80]
 
 
 def test_lm_credit_rows_share_their_prompt_and_score_as_each_sequence_alone():
@@ -107,3 +107,41 @@ def test_lm_credit_rows_share_their_prompt_and_score_as_each_sequence_alone():
     assert shared_tokens == [20, 3 * (packed - 20)]  # the prompt once, then each packed row's remainder
     assert torch.allclose(scores, torch.cat([s for s, _ in alone]), atol=1e-5)
     assert torch.allclose(grads, sum(gr for _, gr in alone), atol=1e-5, rtol=1e-4)
+
+
+def test_reentrant_checkpointing_runs_every_row_in_full():
+    """Reentrant checkpointing (what peft's k-bit preparation used to set, with the inputs made to require grad) runs a
+    layer's forward without grad, so recorded prefix keys would carry none: the forward warns and runs the batch as
+    it is, with each row's own gradient."""
+    policy = _policy(True)
+    policy.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    policy.hf_model.enable_input_require_grads()
+    policy.model.train()
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(5, 1000, (20,), generator=g).tolist()
+    ids, attn = _right_padded(prefix, [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (4, 6)],
+                              policy.tokenizer.pad_token_id)
+    params = policy.trainable_parameters()
+
+    def grads(rows: slice) -> torch.Tensor:  # reentrant checkpointing supports .backward(), not autograd.grad
+        for p in params:
+            p.grad = None
+        (policy(ids[rows], attn[rows], score_mask=attn[rows])[0] * attn[rows]).sum().backward()
+        return torch.cat([p.grad.flatten() for p in params])
+
+    with pytest.warns(UserWarning, match="shared prefix"):
+        together = grads(slice(0, 2))
+    assert torch.allclose(together, grads(slice(0, 1)) + grads(slice(1, 2)), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("name", "kwargs", "shares"), [
+    ("LlamaConfig", {}, True),
+    ("Qwen2Config", {}, True),
+    ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, False),
+    ("MistralConfig", {"sliding_window": 4096}, False),
+])
+def test_only_full_attention_models_share_a_prefix(name, kwargs, shares):
+    """A sliding window would have to cut the prefix per query; such models run every row in full."""
+    import transformers
+
+    assert _full_attention_only(getattr(transformers, name)(**kwargs)) is shares

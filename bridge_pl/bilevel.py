@@ -35,15 +35,17 @@ class BilevelProblem(Protocol):
     def phi_parameters(self) -> list[torch.Tensor]:
         """φ (the query encoder in use)."""
 
-    def has_policy_signal(self) -> bool:
-        """Whether F has a reward signal for θ (GRPO: some group's rewards differ). Without one, the θ gradient
-        is only penalty/coupling noise, which an adaptive optimizer would blow up into a full-size step."""
+    def signal_minibatches(self) -> list[int]:
+        """The mini-batches of the batch, in order, on which F has a reward signal for θ (GRPO: some group's rewards
+        differ); the policy takes one step on each. Without signal, the θ gradient is only penalty/coupling noise,
+        which an adaptive optimizer would blow up into a full-size step."""
 
     def policy_loss(self) -> torch.Tensor:
         """F as a function of θ (clipped surrogate + penalties)."""
 
-    def policy_loss_parts(self) -> Iterator[torch.Tensor]:
-        """:meth:`policy_loss` as micro-batch terms that sum to it (each backpropagated, then freed)."""
+    def policy_loss_parts(self, minibatch: int | None = None) -> Iterator[torch.Tensor]:
+        """:meth:`policy_loss` (or F on mini-batch ``minibatch`` alone) as micro-batch terms that sum to it (each
+        backpropagated, then freed)."""
 
     def retriever_upper_loss(self) -> torch.Tensor:
         """F as a function of φ (policy-gradient credit for the retrieved lists)."""
@@ -190,19 +192,26 @@ class Solver(ABC):
         """Run one iteration; returns scalars to log."""
 
     def _policy_steps(self, problem: BilevelProblem, updates: Updates, extra=None) -> dict[str, float]:
-        """``policy_epochs`` steps on F (+ ``extra()``: more loss terms, e.g. the coupling parts).
+        """``policy_epochs`` passes over the batch, one step on F per mini-batch with signal; ``extra()`` (more
+        loss terms, e.g. the coupling parts, computed at the θ that sampled the batch) joins each pass's first step.
 
-        Skipped (``policy/skipped`` = 1) when F has no reward signal for θ.
+        Skipped (``policy/skipped`` = 1) when F has no reward signal for θ. Logs the last pass's mean loss and grad
+        norm over its steps, and ``policy/steps``, the steps taken.
         """
         logs: dict[str, float] = {"policy/skipped": 0.0}
-        if not problem.has_policy_signal():
+        minibatches = problem.signal_minibatches()
+        if not minibatches:
             logs["policy/skipped"] = 1.0
             return logs
         for _ in range(self.policy_epochs):
-            parts = problem.policy_loss_parts()
-            if extra is not None:
-                parts = itertools.chain(parts, extra())
-            logs["loss/policy"], logs["grad_norm/policy"] = updates.policy.step_parts(parts)
+            steps = []
+            for k in minibatches:
+                parts = problem.policy_loss_parts(k)
+                if extra is not None and k == minibatches[0]:
+                    parts = itertools.chain(parts, extra())
+                steps.append(updates.policy.step_parts(parts))
+            logs["loss/policy"], logs["grad_norm/policy"] = (sum(values) / len(steps) for values in zip(*steps))
+        logs["policy/steps"] = float(self.policy_epochs * len(minibatches))
         return logs
 
     def _phi_steps_on_lower(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:

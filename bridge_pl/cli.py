@@ -73,6 +73,10 @@ def config_problems(config) -> list[str]:
         problems.append(FSDP1_REFUSAL)
     model = config.get("model")
     problems += group_problems(model)
+    minibatches, n_samples = config.get("model.rl.minibatches"), config.get("data.n_samples")
+    if minibatches is not None and n_samples is not None and minibatches > n_samples:
+        problems.append(f"model.rl.minibatches ({minibatches}) must be <= data.n_samples ({n_samples}): a rollout "
+                        "batch may hold a single group, and every mini-batch needs rows")
     if not problems and model is not None and model.get("solver") is not None:
         try:
             make_solver(model.get("mode"), SolverConfig(**dict(model.get("solver").items())))

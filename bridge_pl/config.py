@@ -84,13 +84,18 @@ class RLConfig(_Checked):
             retrieved ``<information>`` tokens.
         micro_batch_tokens: rows x padded length of one forward/backward in the policy update and in LM-credit
             scoring (gradient accumulation; the result equals the full-batch loss). Lower it to save memory.
+        minibatches: policy optimizer steps per pass over the rollout batch (PPO's mini-batches, verl's
+            ``ppo_mini_batch_size`` as a count): the batch's rows, in order, are split into this many contiguous
+            parts, each its own loss aggregate and step. π_old stays the policy that sampled the batch, so from
+            the second step on the ratio and its clip are live. At most the rows of one GRPO group
+            (``data.n_samples``), so that no part is empty.
     """
 
     PREFIX: ClassVar[str] = "model.rl"
     RULES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
         "clip_low": _POSITIVE, "clip_high": _POSITIVE, "kl_coef": _NON_NEGATIVE, "entropy_coef": _NON_NEGATIVE,
         "gamma": _UNIT_INTERVAL, "gae_lambda": _UNIT_INTERVAL, "value_coef": _NON_NEGATIVE,
-        "value_clip": _POSITIVE, "micro_batch_tokens": _AT_LEAST_ONE,
+        "value_clip": _POSITIVE, "micro_batch_tokens": _AT_LEAST_ONE, "minibatches": _AT_LEAST_ONE,
         "dual_clip": (lambda v: v > 1, "> 1 (or null: off)"),
     }
 
@@ -109,6 +114,7 @@ class RLConfig(_Checked):
     value_clip: float | None = 0.2
     mask_observations: bool = True
     micro_batch_tokens: int = 4096
+    minibatches: int = 1
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ search calls chosen for LM credit (docs/method.md sections 2-4).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +53,27 @@ def head_values(value_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return value_head(hidden.to(value_head.weight.dtype)).float().squeeze(-1)
 
 
+def minibatch_row_groups(lengths: Sequence[int], minibatches: int, token_budget: int) -> list[list[list[int]]]:
+    """The rows of a batch as mini-batches of micro-batches: ``[mini-batch][micro-batch] -> row indices``.
+
+    The rows, in batch order, are cut into ``minibatches`` contiguous parts whose sizes differ by at most one (the
+    first ones larger; GRPO's groups are contiguous, so with rows a multiple of the group size per part each
+    group stays in one part); each part is split into micro-batches of at most ``token_budget`` padded tokens,
+    shortest rows first (:func:`~bridge_pl.policy.length_sorted_groups`). ``lengths`` ``[B]``: each row's tokens.
+    Raises ValueError when there are fewer rows than mini-batches.
+    """
+    if len(lengths) < minibatches:
+        raise ValueError(f"model.rl.minibatches ({minibatches}) is more than the batch's {len(lengths)} rows")
+    size, extra = divmod(len(lengths), minibatches)
+    out, start = [], 0
+    for k in range(minibatches):
+        rows = list(range(start, start + size + (k < extra)))
+        start = rows[-1] + 1
+        out.append([[rows[i] for i in group]
+                    for group in length_sorted_groups([lengths[r] for r in rows], token_budget)])
+    return out
+
+
 class RLProblem:
     """Losses of one batch. Quantities that do not change during the iteration are computed once here.
 
@@ -95,12 +116,16 @@ class RLProblem:
         self.stats: dict[str, float] = {}
         # The loss mask: policy tokens only, unless the ablation also trains on observations.
         self.mask = batch.action_mask if config.mask_observations else self._all_response_tokens()
-        # Micro-batches of rows of similar length (each is padded to its longest row; in batch order, the demo's
-        # update computed 21-23 % padding on two batches measured, 3-12 % sorted)
+        # Mini-batches (one optimizer step each), each split into micro-batches of rows of similar length (each is
+        # padded to its longest row; in batch order, the demo's update computed 21-23 % padding on two batches
+        # measured, 3-12 % sorted)
         lengths = batch.attention_mask.sum(-1).tolist()
         device = batch.input_ids.device
-        self._row_groups = [torch.tensor(rows, device=device)
-                            for rows in length_sorted_groups(lengths, config.micro_batch_tokens)]
+        self._row_groups: list[torch.Tensor] = []  # micro-batch index -> its rows [b]
+        self._minibatches: list[list[int]] = []  # mini-batch index -> its micro-batch indices
+        for groups in minibatch_row_groups(lengths, config.minibatches, config.micro_batch_tokens):
+            self._minibatches.append(list(range(len(self._row_groups), len(self._row_groups) + len(groups))))
+            self._row_groups += [torch.tensor(rows, device=device) for rows in groups]
         self._old_logprobs: dict[int, torch.Tensor] = {}  # micro-batch index -> π_old log-probs [b, T_b]
         if old_logprobs is not None:
             self._old_logprobs = {i: old_logprobs[self._cols(rows)] for i, rows in enumerate(self._row_groups)}
@@ -109,6 +134,9 @@ class RLProblem:
             self.seq_advantages, self.advantages, self.old_values, self.returns = self._advantages()
             searched = batch.search_traj.numel() > 0
             self._shown_logprob_old = self._shown_logprob() if searched and self.phi_parameters() else None
+            self._signal_minibatches = self._minibatches_with_signal()
+            # θ will have moved by the time a later mini-batch steps: its π_old is the sampling policy's, now
+            self._fill_old_logprobs([i for k in self._signal_minibatches[1:] for i in self._minibatches[k]])
         self.lm_scores: torch.Tensor | None = None
         self._credit_graph: torch.Tensor | None = None
         if batch.credit_searches.numel():
@@ -153,14 +181,19 @@ class RLProblem:
         return out
 
     @torch.no_grad()
+    def _fill_old_logprobs(self, micro_batches: list[int]) -> None:
+        """π_old of the micro-batches ``micro_batches`` not yet seen: a no-grad forward of the current policy."""
+        for i in micro_batches:
+            if i not in self._old_logprobs:
+                self._old_logprobs[i] = self._forward_rows(self._cols(self._row_groups[i]))[0]
+
+    @torch.no_grad()
     def old_logprobs(self) -> torch.Tensor:
         """``[B, T]`` π_old on the loss tokens (0 elsewhere); micro-batches not yet seen get a no-grad forward."""
+        self._fill_old_logprobs(list(range(len(self._row_groups))))
         out = torch.zeros_like(self.mask)
         for i, rows in enumerate(self._row_groups):
-            cols = self._cols(rows)
-            if i not in self._old_logprobs:
-                self._old_logprobs[i] = self._forward_rows(cols)[0]
-            out[cols] = self._old_logprobs[i]
+            out[self._cols(rows)] = self._old_logprobs[i]
         return out
 
     def _advantages(self):
@@ -212,12 +245,21 @@ class RLProblem:
         self.stats["retriever/ratio_clip_fraction"] = float((clipped != ratios).float().mean())
         return clipped
 
-    def _part_weight(self, rows: torch.Tensor) -> torch.Tensor:
-        """Share of the full-batch aggregate that the rows ``rows`` carry, so that parts sum to the whole."""
-        if self.cfg.loss_agg == "token-mean":
-            return self.mask[rows].sum() / self.mask.sum().clamp(min=1)
-        has_tokens = (self.mask.sum(-1) > 0).float()
-        return has_tokens[rows].sum() / has_tokens.sum().clamp(min=1)
+    def _part_weight(self, rows: torch.Tensor, within: torch.Tensor | None = None) -> torch.Tensor:
+        """Share of the aggregate over the rows ``within`` (default: the whole batch) that the rows ``rows`` carry,
+        so that parts sum to the whole."""
+        amount = self.mask.sum(-1) if self.cfg.loss_agg == "token-mean" else (self.mask.sum(-1) > 0).float()
+        total = amount.sum() if within is None else amount[within].sum()
+        return amount[rows].sum() / total.clamp(min=1)
+
+    def _minibatch_rows(self, minibatch: int) -> torch.Tensor:
+        return torch.cat([self._row_groups[i] for i in self._minibatches[minibatch]])
+
+    def _minibatches_with_signal(self) -> list[int]:
+        """The mini-batches whose trajectories carry a reward signal for θ on some rank (GRPO: a non-zero
+        advantage; PPO: always), so that all ranks step the same ones."""
+        return [k for k in range(len(self._minibatches)) if any_across_ranks(
+            self.value_head is not None or bool((self.seq_advantages[self._minibatch_rows(k)] != 0).any()))]
 
     # ---- the BilevelProblem protocol ------------------------------------------------------------
     def policy_parameters(self) -> list[torch.Tensor]:
@@ -227,23 +269,32 @@ class RLProblem:
         encoder = self.retriever.query_encoder
         return [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
 
-    def has_policy_signal(self) -> bool:
-        """Whether any trajectory has a non-zero advantage (GRPO: some group's rewards differ), on any rank: all
-        ranks step θ or none does."""
-        return any_across_ranks(bool((self.seq_advantages != 0).any()) or self.value_head is not None)
+    def signal_minibatches(self) -> list[int]:
+        """The mini-batches (``model.rl.minibatches``) with a non-zero advantage (GRPO: some group's rewards
+        differ) on any rank, in order: the policy steps on these, the same ones on every rank."""
+        return self._signal_minibatches
 
     def policy_loss(self) -> torch.Tensor:
         return sum(self.policy_loss_parts())
 
-    def policy_loss_parts(self) -> Iterator[torch.Tensor]:
-        """The policy loss over token-budget micro-batches of rows, each weighted by its share of the aggregate."""
-        for key in [k for k in self.stats if k.startswith(("policy/", "critic/"))]:
-            del self.stats[key]
+    def policy_loss_parts(self, minibatch: int | None = None) -> Iterator[torch.Tensor]:
+        """The policy loss over token-budget micro-batches of rows, each weighted by its share of the aggregate:
+        that of the whole batch, or of mini-batch ``minibatch`` (the loss of that mini-batch's step).
+
+        The ``policy/`` stats are reset by the whole batch or the first mini-batch with signal, and each part adds
+        its share of the whole batch, so over the mini-batches of one pass they add up as the whole batch's.
+        """
+        if minibatch is None or minibatch == self._signal_minibatches[0]:
+            for key in [k for k in self.stats if k.startswith(("policy/", "critic/"))]:
+                del self.stats[key]
+        micro_batches = range(len(self._row_groups)) if minibatch is None else self._minibatches[minibatch]
+        within = None if minibatch is None else self._minibatch_rows(minibatch)
         advantages = self.policy_advantages()
-        for i, rows in enumerate(self._row_groups):
-            weight = self._part_weight(rows)
+        for i in micro_batches:
+            rows = self._row_groups[i]
+            weight = self._part_weight(rows, within)
             if weight > 0:
-                yield weight * self._policy_loss_rows(i, advantages[self._cols(rows)], float(weight))
+                yield weight * self._policy_loss_rows(i, advantages[self._cols(rows)], float(self._part_weight(rows)))
 
     def policy_advantages(self) -> torch.Tensor:
         """``[B, T]`` advantages of the θ surrogate at the current φ (docs/method.md section 4.2).

@@ -30,8 +30,8 @@ class ToyProblem:
     def phi_parameters(self):
         return [self.y]
 
-    def has_policy_signal(self):
-        return True
+    def signal_minibatches(self):
+        return [0]
 
     def policy_loss(self):
         return 0.5 * ((self.y.detach() - C) ** 2).sum() + 0.5 * MU * (self.x**2).sum()
@@ -50,7 +50,7 @@ class ToyProblem:
     def coupling_loss(self, lam):
         return lam * (self._g(self.x, self.y.detach()) - self._g(self.x, self.z.detach()))
 
-    def policy_loss_parts(self):
+    def policy_loss_parts(self, minibatch=None):
         yield self.policy_loss()
 
     def coupling_loss_parts(self, lam):

@@ -3,7 +3,8 @@
 - the retriever's shown lists are an action: after a φ step, θ's surrogate weights each trajectory by
   P_φnew(D_i) / P_φold(D_i), so ``retriever_first`` and ``policy_first`` make different θ updates;
 - the ``unmasked`` ablation trains on observation tokens with their real π_old (ratio 1 at the start);
-- a batch without reward variance leaves θ untouched (no Adam step on KL/coupling noise).
+- a batch without reward variance leaves θ untouched (no Adam step on KL/coupling noise);
+- mini-batches: one AdamW step per part, each part its own loss, every ratio to the policy that sampled.
 """
 
 import copy
@@ -28,21 +29,28 @@ def city_qa(tmp_path):
     return str(path)
 
 
-def _module_and_batch(tmp_path, *overrides, answers=WORDS, qa=None):
+def _module_and_batch(tmp_path, *overrides, answers=WORDS, qa=None, questions=2):
     module, data = tiny_module(tmp_path, "--data.n_samples=4", *([f"--data.train={qa}"] if qa else []), *overrides)
     torch.manual_seed(0)
     with searching(module.policy, answers=answers):
-        batch = data.rollout(module, data.load(data.train_source)[:2], training=True, dataset="train")
+        batch = data.rollout(module, data.load(data.train_source)[:questions], training=True, dataset="train")
     return module, batch
 
 
 def _step(module, batch, mode):
     """One iteration of ``mode``'s solver on ``batch`` (the optimizers configure_optimizers builds; no trainer)."""
+    return _step_problem(module, module.problem(batch), mode)
+
+
+def _step_problem(module, problem, mode):
     module.solver = make_solver(mode)
     optimizers, _ = module.configure_optimizers()
-    problem = module.problem(batch)
     logs = module.solver.step(problem, module.updates_from(optimizers, backward=torch.Tensor.backward))
     return logs | problem.stats
+
+
+def _flat_grad(loss, params):
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
 
 
 def _lora(module):
@@ -148,3 +156,34 @@ def test_token_budget_micro_batches_sum_to_the_full_batch_loss(tmp_path, city_qa
     assert results[10**6][0] == 1 and results[600][0] > 2
     assert torch.allclose(results[600][1], results[10**6][1], atol=1e-6)
     assert torch.allclose(results[600][2], results[10**6][2], atol=1e-6, rtol=1e-4)
+
+
+def test_minibatches_step_on_each_part_with_the_sampling_policy_as_pi_old(tmp_path, city_qa):
+    """``model.rl.minibatches=2``: two AdamW steps, each on half of the batch (two GRPO groups here) with that
+    half's own token-mean loss; the second step's ratio is to the policy that sampled the batch, not to θ after
+    the first step, so the clip is live there. One mini-batch makes a different update."""
+    module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", qa=city_qa, questions=4)
+    start = copy.deepcopy(module.state_dict())
+    sampled = module.problem(batch, keep_credit_graph=False).old_logprobs()  # the sampling policy, θ0
+    thetas = {}
+    for minibatches in (1, 2):
+        module.load_state_dict(start)
+        module.rl_config = replace(module.rl_config, minibatches=minibatches)
+        problem = module.problem(batch, keep_credit_graph=False)
+        assert problem.signal_minibatches() == list(range(minibatches)), "both halves need reward variance"
+        if minibatches == 2:  # on a copy: these forwards would take π_old at θ0 themselves
+            check = module.problem(batch, keep_credit_graph=False)
+            tokens = check.mask.sum(-1)
+            shares = [tokens[:8].sum() / tokens.sum(), tokens[8:].sum() / tokens.sum()]
+            params = module.policy.trainable_parameters()
+            halves = [_flat_grad(sum(check.policy_loss_parts(k)), params) for k in (0, 1)]
+            whole = _flat_grad(check.policy_loss(), params)
+            assert torch.allclose(shares[0] * halves[0] + shares[1] * halves[1], whole, atol=1e-7, rtol=1e-4)
+            assert not torch.allclose(halves[0], whole, atol=1e-6, rtol=0.1)
+        logs = _step_problem(module, problem, "frozen")
+        assert logs["policy/steps"] == minibatches
+        assert torch.allclose(problem.old_logprobs(), sampled, atol=1e-5)  # π_old was taken before any step
+        # the second half is scored after the first step: its ratio moved off 1
+        assert (logs["policy/approx_kl"] != 0) == (minibatches == 2)
+        thetas[minibatches] = _lora(module)
+    assert any(not torch.equal(thetas[1][k], thetas[2][k]) for k in thetas[1])

@@ -15,6 +15,7 @@ from bridge_pl.policy import (
     enable_activation_checkpointing,
     length_sorted_groups,
 )
+from bridge_pl.problem import minibatch_row_groups
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchCall, SearchOutcome, Trajectory
 
@@ -267,6 +268,16 @@ def test_length_sorted_groups_put_rows_of_similar_length_together():
         return sum(len(g) * max(lengths[i] for i in g) for g in gs)
 
     assert (cells(in_batch_order), cells(groups)) == (2340, 1540)
+
+
+def test_minibatch_row_groups_cut_the_batch_in_order_then_sort_each_part():
+    lengths = [400, 100, 390, 110, 380, 120, 50]
+    assert minibatch_row_groups(lengths, 1, 800) == [length_sorted_groups(lengths, 800)]
+    # 7 rows in 2 parts: rows 0-3 and 4-6; each part's micro-batches group its own rows by length
+    assert minibatch_row_groups(lengths, 2, 800) == [[[1, 3], [2, 0]], [[6, 5], [4]]]
+    assert minibatch_row_groups(lengths, 7, 800) == [[[r]] for r in range(7)]
+    with pytest.raises(ValueError, match=r"model.rl.minibatches \(8\) is more than the batch's 7 rows"):
+        minibatch_row_groups(lengths, 8, 800)
 
 
 def test_qlora_checkpoints_without_reentrant_forwards():

@@ -29,7 +29,8 @@ one counts for the innermost, so nothing is counted twice):
   teacher);
 - policy update: the solver's θ step (``Solver._policy_steps``: building the extra loss terms, e.g. ``implicit``'s
   hypergradient correction, and the θ ``ParamUpdate.step_parts``: forward and backward of the policy-loss parts and
-  of the coupling / correction parts, clipping, the optimizer step);
+  of the coupling / correction parts, clipping, the optimizer step), and the no-grad π_old forward of mini-batches
+  2..M (``RLProblem._fill_old_logprobs``, at construction; with ``model.rl.minibatches`` > 1);
 - retriever steps: the φ and ψ ``ParamUpdate`` steps and the retriever losses ``lower_loss`` and
   ``retriever_upper_loss``, wherever they are called (also inside ``implicit``'s θ hypergradient);
 - other: the rest of the iteration (advantages, log P_φ of the shown lists at construction, solver glue).
@@ -380,6 +381,7 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
     clock.wrap(RLProblem, "lower_loss", "retriever_steps")
     clock.wrap(RLProblem, "retriever_upper_loss", "retriever_steps")
     clock.wrap(module.solver, "_policy_steps", "policy_update")
+    clock.wrap(RLProblem, "_fill_old_logprobs", "policy_update")
     for update, name in [(updates.policy, "policy_update"), (updates.phi, "retriever_steps"),
                          (updates.psi, "retriever_steps")]:
         if update is not None:

@@ -193,7 +193,9 @@ class Solver(ABC):
 
     def _policy_steps(self, problem: BilevelProblem, updates: Updates, extra=None) -> dict[str, float]:
         """``policy_epochs`` passes over the batch, one step on F per mini-batch with signal; ``extra()`` (more
-        loss terms, e.g. the coupling parts, computed at the θ that sampled the batch) joins each pass's first step.
+        loss terms: ``bridge``'s coupling parts, ``implicit``'s correction) joins each pass's first step, so a pass
+        carries it once, as with one mini-batch. In the first pass that step is at the θ that sampled the batch,
+        where ``bridge``'s kept LM-credit graph was built; later steps would move θ under it.
 
         Skipped (``policy/skipped`` = 1) when F has no reward signal for θ. Logs the last pass's mean loss and grad
         norm over its steps, and ``policy/steps``, the steps taken.

@@ -210,11 +210,19 @@ class BridgeModule(L.LightningModule):
         sync = average_replicated_grads if sharded else None
         return Updates(
             policy=ParamUpdate(policy_opt, backward, solver.grad_clip_policy, name="policy",
+                               on_step=self._reshard_policy if sharded else None,
                                sharded=ShardedGradients(self._sharded_roots(), self._zero_pass) if sharded else None),
             phi=ParamUpdate(named["phi"], backward, clip, self.retriever.bump_version, name="phi", sync_grads=sync)
             if "phi" in named else None,
             psi=ParamUpdate(named["psi"], backward, clip, name="psi", sync_grads=sync) if "psi" in named else None,
         )
+
+    def _reshard_policy(self) -> None:
+        """After a policy step under FSDP2: drop the gathered copies, which hold θ before the step (the optimizer
+        steps the shards, and the roots do not reshard after forward or backward), so that a later forward of the
+        same iteration (the next mini-batch or epoch, a refreshed LM teacher) gathers the new θ."""
+        for root in self._sharded_roots():
+            reshard(root)
 
     def _sharded_roots(self) -> list[nn.Module]:
         """The FSDP2 roots of ``configure_model``: the policy, and the value head under PPO."""

@@ -81,7 +81,8 @@ class RLProblem:
     log-probs (skipped when the reference is the current policy or ``kl_coef == 0``); the LM-credit scores
     ℓ_θ (with their graph kept when ``keep_credit_graph``, so the coupling backward reuses that forward); the
     log-probs of the shown passage lists under φ at the start of the iteration. π_old's log-probs are the
-    first policy forward of each micro-batch, detached, kept for later epochs.
+    first policy forward of each micro-batch, detached, kept for later epochs; those of mini-batches 2..M
+    (``model.rl.minibatches``) are taken here, before any step.
 
     Args:
         policy: π_θ.
@@ -135,6 +136,9 @@ class RLProblem:
             searched = batch.search_traj.numel() > 0
             self._shown_logprob_old = self._shown_logprob() if searched and self.phi_parameters() else None
             self._signal_minibatches = self._minibatches_with_signal()
+            # the rows the steps train on: the policy/ stats are their aggregate, whichever parts stepped
+            self._stepped_rows = (torch.cat([self._minibatch_rows(k) for k in self._signal_minibatches])
+                                  if self._signal_minibatches else None)
             # θ will have moved by the time a later mini-batch steps: its π_old is the sampling policy's, now
             self._fill_old_logprobs([i for k in self._signal_minibatches[1:] for i in self._minibatches[k]])
         self.lm_scores: torch.Tensor | None = None
@@ -282,19 +286,22 @@ class RLProblem:
         that of the whole batch, or of mini-batch ``minibatch`` (the loss of that mini-batch's step).
 
         The ``policy/`` stats are reset by the whole batch or the first mini-batch with signal, and each part adds
-        its share of the whole batch, so over the mini-batches of one pass they add up as the whole batch's.
+        its share of the whole batch, or of the rows of the mini-batches with signal, so that over one pass they
+        add up as the aggregate over the rows the steps trained on.
         """
-        if minibatch is None or minibatch == self._signal_minibatches[0]:
+        if minibatch is None or minibatch in self._signal_minibatches[:1]:
             for key in [k for k in self.stats if k.startswith(("policy/", "critic/"))]:
                 del self.stats[key]
         micro_batches = range(len(self._row_groups)) if minibatch is None else self._minibatches[minibatch]
         within = None if minibatch is None else self._minibatch_rows(minibatch)
+        stats_within = None if minibatch is None else self._stepped_rows
         advantages = self.policy_advantages()
         for i in micro_batches:
             rows = self._row_groups[i]
             weight = self._part_weight(rows, within)
             if weight > 0:
-                yield weight * self._policy_loss_rows(i, advantages[self._cols(rows)], float(self._part_weight(rows)))
+                stats_weight = float(self._part_weight(rows, stats_within))
+                yield weight * self._policy_loss_rows(i, advantages[self._cols(rows)], stats_weight)
 
     def policy_advantages(self) -> torch.Tensor:
         """``[B, T]`` advantages of the θ surrogate at the current φ (docs/method.md section 4.2).

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import policy_loss_logprob_grads, searching, tiny_module
 
+from bridge_pl import rl
 from bridge_pl.bilevel import make_solver
 
 WORDS = (" Paris", " Rome")
@@ -186,3 +187,16 @@ def test_minibatches_step_on_each_part_with_the_sampling_policy_as_pi_old(tmp_pa
         assert (logs["policy/approx_kl"] != 0) == (minibatches == 2)
         thetas[minibatches] = _lora(module)
     assert any(not torch.equal(thetas[1][k], thetas[2][k]) for k in thetas[1])
+
+
+def test_a_minibatch_without_signal_is_skipped_and_the_stats_are_those_of_the_rows_that_stepped(tmp_path, city_qa):
+    module, batch = _module_and_batch(tmp_path, "--model.mode=frozen", "--model.rl.minibatches=2", qa=city_qa)
+    probe = module.problem(batch, keep_credit_graph=False)
+    assert probe.signal_minibatches() == [0], "want the second group's rewards equal"
+    rows = torch.arange(batch.batch_size // 2)  # the first part: the first group
+    cols = (rows, slice(0, int(batch.attention_mask[rows].sum(-1).max())))
+    with torch.no_grad():
+        entropy = probe._forward_rows(cols, entropy=True)[1]
+    logs = _step(module, batch, "frozen")
+    assert logs["policy/steps"] == 1
+    assert logs["policy/entropy"] == pytest.approx(float(rl.masked_mean(entropy, probe.mask[cols])), rel=1e-5)

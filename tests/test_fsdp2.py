@@ -57,7 +57,8 @@ class RecordSteps(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.logs.append({k: float(v) for k, v in trainer.callback_metrics.items()
-                          if k.startswith(("loss/", "grad_norm/", "policy/skipped", "policy/kl_ref"))})
+                          if k.startswith(("loss/", "grad_norm/", "policy/skipped", "policy/kl_ref",
+                                           "policy/steps", "policy/approx_kl"))})
 
     def on_train_end(self, trainer, pl_module):
         (self.out / f"logs{trainer.global_rank}.json").write_text(json.dumps(self.logs))
@@ -184,6 +185,17 @@ def test_fsdp2_frees_the_gathered_kl_reference_after_each_iteration(tmp_path):
 
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
+def test_fsdp2_second_minibatch_runs_on_the_weights_the_first_step_made(tmp_path):
+    """FSDP2 keeps its gathered parameters between forwards (no reshard after forward or backward), and the optimizer
+    steps the shards: without a reshard after each policy step, the second mini-batch would run on the gathered
+    copy of θ before the first step, its ratio exactly 1."""
+    _run_2proc(tmp_path, "minibatches")
+    ranks = [json.loads((tmp_path / "minibatches" / f"logs{r}.json").read_text())[0] for r in range(2)]
+    assert all(r["policy/steps"] == 2.0 for r in ranks), "both mini-batches must step for this test to mean anything"
+    assert all(r["policy/approx_kl"] != 0.0 for r in ranks)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
 def test_fsdp2_evaluates_with_unequal_numbers_of_batches_per_rank(tmp_path):
     """Validation between iterations, ranks with 2 and 1 eval batches: no collective waits on a forward, and the
     EM pooled over ranks is the same number on both."""
@@ -307,6 +319,11 @@ def main(out: Path, job: str) -> None:
                        "--trainer.limit_val_batches=null", "--data.max_eval_examples=12")
         metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
         (out / "eval" / f"val{cli.trainer.global_rank}.json").write_text(json.dumps(metrics))
+        return
+    if job == "minibatches":
+        (out / "minibatches").mkdir(parents=True, exist_ok=True)
+        fit_tiny(out / "minibatches", *fsdp2, "--trainer.max_steps=1", "--model.rl.minibatches=2",
+                 "--data.batch_size=4", callbacks=(RecordSteps(out / "minibatches"),))
         return
     if job == "full-kl":
         (out / "full").mkdir(parents=True, exist_ok=True)

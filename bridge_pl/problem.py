@@ -68,7 +68,7 @@ def minibatch_row_groups(lengths: Sequence[int], minibatches: int, token_budget:
     out, start = [], 0
     for k in range(minibatches):
         rows = list(range(start, start + size + (k < extra)))
-        start = rows[-1] + 1
+        start += len(rows)
         out.append([[rows[i] for i in group]
                     for group in length_sorted_groups([lengths[r] for r in rows], token_budget)])
     return out

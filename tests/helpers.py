@@ -123,6 +123,11 @@ def fit_tiny(tmp_path: Path, *overrides: str, callbacks: tuple[L.Callback, ...] 
     return cli
 
 
+def flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """d``loss``/d``params``, flattened and concatenated into one vector."""
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+
 def policy_loss_logprob_grads(policy, problem) -> torch.Tensor:
     """``[B, T]``: d(``problem.policy_loss()``)/d(log-prob) of every cell of the problem's batch, in batch order.
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import policy_loss_logprob_grads, searching, tiny_module
+from helpers import flat_grad, policy_loss_logprob_grads, searching, tiny_module
 
 from bridge_pl import rl
 from bridge_pl.bilevel import make_solver
@@ -48,10 +48,6 @@ def _step_problem(module, problem, mode):
     optimizers, _ = module.configure_optimizers()
     logs = module.solver.step(problem, module.updates_from(optimizers, backward=torch.Tensor.backward))
     return logs | problem.stats
-
-
-def _flat_grad(loss, params):
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
 
 
 def _lora(module):
@@ -152,7 +148,7 @@ def test_token_budget_micro_batches_sum_to_the_full_batch_loss(tmp_path, city_qa
         problem = module.problem(batch, keep_credit_graph=False)
         parts = list(problem.policy_loss_parts())
         loss = sum(parts)
-        results[budget] = (len(parts), loss.detach(), _flat_grad(loss, params))
+        results[budget] = (len(parts), loss.detach(), flat_grad(loss, params))
     assert results[10**6][0] == 1 and results[600][0] > 2
     assert torch.allclose(results[600][1], results[10**6][1], atol=1e-6)
     assert torch.allclose(results[600][2], results[10**6][2], atol=1e-6, rtol=1e-4)
@@ -176,8 +172,8 @@ def test_minibatches_step_on_each_part_with_the_sampling_policy_as_pi_old(tmp_pa
             tokens = check.mask.sum(-1)
             shares = [tokens[:8].sum() / tokens.sum(), tokens[8:].sum() / tokens.sum()]
             params = module.policy.trainable_parameters()
-            halves = [_flat_grad(sum(check.policy_loss_parts(k)), params) for k in (0, 1)]
-            whole = _flat_grad(check.policy_loss(), params)
+            halves = [flat_grad(sum(check.policy_loss_parts(k)), params) for k in (0, 1)]
+            whole = flat_grad(check.policy_loss(), params)
             assert torch.allclose(shares[0] * halves[0] + shares[1] * halves[1], whole, atol=1e-7, rtol=1e-4)
             assert not torch.allclose(halves[0], whole, atol=1e-6, rtol=0.1)
         logs = _step_problem(module, problem, "frozen")

@@ -4,6 +4,7 @@ rows (4-D masks), and fewer tokens through the layers."""
 
 import pytest
 import torch
+from helpers import flat_grad
 
 from bridge_pl.policy import BranchedSequence, Policy, _full_attention_only
 
@@ -39,9 +40,7 @@ def _layer_tokens(policy: Policy) -> tuple[list[int], object]:
 
 def _loss_and_grads(policy: Policy, ids: torch.Tensor, attn: torch.Tensor, score: torch.Tensor):
     logp = policy(ids, attn, score_mask=score)[0]
-    params = policy.trainable_parameters()
-    grads = torch.autograd.grad((logp * score).sum(), params)
-    return logp.detach(), torch.cat([g.flatten() for g in grads])
+    return logp.detach(), flat_grad((logp * score).sum(), policy.trainable_parameters())
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -96,7 +95,7 @@ def test_lm_credit_rows_share_their_prompt_and_score_as_each_sequence_alone():
 
     def scores_and_grads(seqs):
         scores = policy.branch_loglik(seqs)
-        return scores.detach(), torch.cat([g.flatten() for g in torch.autograd.grad(scores.sum(), params)])
+        return scores.detach(), flat_grad(scores.sum(), params)
 
     seen, handle = _layer_tokens(policy)
     scores, grads = scores_and_grads(sequences)

@@ -183,11 +183,13 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
 ])
 def test_the_committed_records_still_match_their_config(tmp_path, budget, records):
     """The README's tables are rebuilt from the committed records, which are keyed by a digest of what the runs use of
-    ``configs/demo.yaml``: an edit to that makes every record refused (delete them on purpose, or leave it)."""
+    ``configs/demo.yaml``: an edit to that makes every record refused (delete them on purpose, or leave it). The
+    24-iteration comparison is made a few runs per session, so its folder may hold fewer than three seeds."""
     compare_modes = load_benchmark("compare_modes")
     folder = Path(__file__).resolve().parents[1] / "benchmarks/results" / records
     compare_modes.main([*budget, "--table-only", "--records", str(folder), "--out", str(tmp_path)])
-    assert "| frozen | 3 |" in (tmp_path / "compare_modes.md").read_text()
+    frozen_seeds = len(list(folder.glob("frozen_seed*.json")))
+    assert f"| frozen | {frozen_seeds} |" in (tmp_path / "compare_modes.md").read_text()
 
 
 def test_a_warm_start_that_does_not_reproduce_names_the_machines(tmp_path, monkeypatch):

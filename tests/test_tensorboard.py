@@ -53,12 +53,14 @@ def test_event_files_hold_eval_credit_and_trajectories(tiny_run):
     assert {"val/world_dev/em", "val/world_dev/f1", "val/world_dev/sub_em", "val/em", "val/f1"} <= scalars
     credit = {"retrieval_miss_rate", "reasoning_miss_rate", "failure_rate", "recall@k", "gold_id_share"}
     assert {f"credit/{n}" for n in credit} <= scalars and {f"val/world_dev/credit/{n}" for n in credit} <= scalars
-    assert [e.step for e in events.Scalars("credit/failure_rate")] == [0, 1]  # every training step
+    # one x-axis, the RL iterations done: iteration i's metrics at step i, the dev-EM curve after the warm start
+    # (step 0) and after iteration 2 (step 2), the test after fit at the last iteration
+    assert [e.step for e in events.Scalars("credit/failure_rate")] == [1, 2]  # every training step
     for timing in ("rollout/seconds", "update/seconds"):  # where each iteration's wall time went
-        assert [e.step for e in events.Scalars(timing)] == [0, 1] and all(e.value > 0 for e in events.Scalars(timing))
-    # the dev-EM curve: after the warm start (step 0), then the validation after iteration 2 (Lightning logs
-    # it at the step of the last training batch, 1)
-    assert [e.step for e in events.Scalars("val/world_dev/em")] == [0, 1]
+        assert [e.step for e in events.Scalars(timing)] == [1, 2] and all(e.value > 0 for e in events.Scalars(timing))
+    assert [e.step for e in events.Scalars("val/world_dev/em")] == [0, 2]
+    assert [e.step for e in events.Scalars("val/world_dev/credit/failure_rate")] == [2]  # callbacks' too
+    assert "step" not in scalars and "epoch" not in scalars
     text_tag = "val/world_dev/trajectories/text_summary"
     assert text_tag in tags["tensors"]
     text = events.Tensors(text_tag)[0].tensor_proto.string_val[0].decode()

@@ -333,14 +333,16 @@ class BridgeModule(L.LightningModule):
         self.log("reward", logs["train/reward"], prog_bar=True, logger=False, batch_size=batch.batch_size)
 
     def _log_at_iterations_done(self, **kwargs) -> None:
-        """Put this hook's logged values at TensorBoard step = RL iterations done (``trainer.global_step``).
+        """Put this hook's logged values at TensorBoard step = RL iterations done (``policy_version``).
 
         Lightning's own x-axis counts the batches before the current one: iteration 1's metrics, and a validation
         run after iteration 2, would land at steps 0 and 1, while the warm start's dev EM (``WarmStart``) and the
         landscape probes are written at the iterations done, 0 before the first. A logged ``step`` value replaces
         Lightning's step for every value it sends to the loggers with it (a training batch's, or an evaluation
-        epoch's, callbacks' included)."""
-        self.log("step", float(self.trainer.global_step), **kwargs)
+        epoch's, callbacks' included). ``policy_version`` equals ``trainer.global_step`` in ``fit`` and is saved in
+        checkpoints, so ``validate``/``test`` from a checkpoint log at its iteration too (their global step is 0),
+        as ``QAEval`` names its predictions files."""
+        self.log("step", float(self.policy_version), **kwargs)
 
     def _guard_nonfinite(self, bad: dict[str, list[str]]) -> float:
         """Report updates skipped for a non-finite loss or gradient; stop after ``max_nonfinite_skips`` in a row.
@@ -400,7 +402,7 @@ class BridgeModule(L.LightningModule):
             for name in next(iter(per_dataset.values())):
                 mean = sum(v[name] for v in per_dataset.values()) / len(per_dataset)
                 self.log(f"{stage}/{name}", mean, prog_bar=name == "em")
-            self._log_at_iterations_done()
+        self._log_at_iterations_done()  # also for what callbacks log at this epoch's end
 
     def on_validation_epoch_start(self) -> None:
         self.last_eval_batches = {k: v for k, v in self.last_eval_batches.items() if not k.startswith("val/")}

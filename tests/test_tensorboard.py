@@ -54,7 +54,7 @@ def test_event_files_hold_eval_credit_and_trajectories(tiny_run):
     credit = {"retrieval_miss_rate", "reasoning_miss_rate", "failure_rate", "recall@k", "gold_id_share"}
     assert {f"credit/{n}" for n in credit} <= scalars and {f"val/world_dev/credit/{n}" for n in credit} <= scalars
     # one x-axis, the RL iterations done: iteration i's metrics at step i, the dev-EM curve after the warm start
-    # (step 0) and after iteration 2 (step 2), the test after fit at the last iteration
+    # (step 0) and after iteration 2 (step 2)
     assert [e.step for e in events.Scalars("credit/failure_rate")] == [1, 2]  # every training step
     for timing in ("rollout/seconds", "update/seconds"):  # where each iteration's wall time went
         assert [e.step for e in events.Scalars(timing)] == [1, 2] and all(e.value > 0 for e in events.Scalars(timing))
@@ -66,6 +66,20 @@ def test_event_files_hold_eval_credit_and_trajectories(tiny_run):
     text = events.Tensors(text_tag)[0].tensor_proto.string_val[0].decode()
     assert text.count("**Question**") == 3 and "**Gold:**" in text and "Response:" in text
     assert (log_dir / "predictions" / "val_world_dev_step2.jsonl").is_file()
+
+
+def test_validate_from_a_checkpoint_logs_at_its_iteration(tiny_run, tmp_path):
+    """Outside ``fit`` Lightning's global step is 0; the checkpoint's iteration (2 here) is the x-axis instead."""
+    cli, _, _ = tiny_run
+    checkpoint = tmp_path / "iteration2.ckpt"
+    cli.trainer.save_checkpoint(checkpoint)
+    logger = L.pytorch.loggers.TensorBoardLogger(tmp_path, name="validate")
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=logger, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    trainer.validate(cli.model, cli.datamodule, ckpt_path=checkpoint, verbose=False)
+    assert trainer.global_step == 0
+    events, _ = event_tags(Path(logger.log_dir))
+    assert [e.step for e in events.Scalars("val/world_dev/em")] == [2]
 
 
 def test_timeline_charges_the_whole_span_to_phases(tiny_run):

@@ -20,7 +20,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from bridge_pl.bilevel import make_solver
-from bridge_pl.config import SolverConfig, group_problems
+from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
 from bridge_pl.data.datamodule import RolloutDataModule
 from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
 from bridge_pl.module import BridgeModule
@@ -73,10 +73,8 @@ def config_problems(config) -> list[str]:
         problems.append(FSDP1_REFUSAL)
     model = config.get("model")
     problems += group_problems(model)
-    minibatches, n_samples = config.get("model.rl.minibatches"), config.get("data.n_samples")
-    if minibatches is not None and n_samples is not None and minibatches > n_samples:
-        problems.append(f"model.rl.minibatches ({minibatches}) must be <= data.n_samples ({n_samples}): a rollout "
-                        "batch may hold a single group, and every mini-batch needs rows")
+    if problem := minibatch_problem(config.get("model.rl.minibatches"), config.get("data.n_samples")):
+        problems.append(problem)
     if not problems and model is not None and model.get("solver") is not None:
         try:
             make_solver(model.get("mode"), SolverConfig(**dict(model.get("solver").items())))

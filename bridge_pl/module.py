@@ -23,7 +23,7 @@ from torch import nn
 
 from bridge_pl import rl
 from bridge_pl.bilevel import ParamUpdate, Updates, make_solver
-from bridge_pl.config import RetrievalSampling, RLConfig, SolverConfig
+from bridge_pl.config import RetrievalSampling, RLConfig, SolverConfig, minibatch_problem
 from bridge_pl.distributed import (
     FSDP1_REFUSAL,
     ShardedGradients,
@@ -130,6 +130,10 @@ class BridgeModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if self._trainer is not None and is_fsdp1(self.trainer.strategy):
             raise ValueError(FSDP1_REFUSAL)
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if stage == "fit" and (problem := minibatch_problem(self.rl_config.minibatches,
+                                                            getattr(datamodule, "n_samples", None))):
+            raise ValueError(problem)
         self.retriever.prepare()
 
     def configure_model(self) -> None:
@@ -306,9 +310,9 @@ class BridgeModule(L.LightningModule):
         self.policy_version += 1
         self._count_iteration()
         if is_sharded(self.policy.model):  # free the gathered weights until the next rollout gathers them again
-            reference = [self.policy.reference] if self.policy.reference is not None else []  # full fine-tuning's KL
-            for root in self._sharded_roots() + reference:
-                reshard(root)
+            self._reshard_policy()
+            if self.policy.reference is not None:  # full fine-tuning's KL reference
+                reshard(self.policy.reference)
         for scheduler in self._schedulers():
             scheduler.step()
         logs.update(problem.stats)

@@ -80,6 +80,22 @@ def test_a_good_config_does_load_weights(tmp_path, capfd):
     assert "Loading weights" in out + err
 
 
+def test_too_many_minibatches_stop_a_python_built_fit_before_it_trains(tmp_path):
+    """The CLI's mini-batch rule (above) also holds for a module and datamodule built in Python: ``setup`` raises,
+    naming both options, before the warm start or any rollout."""
+    from dataclasses import replace
+
+    from helpers import tiny_cli
+
+    cli = tiny_cli(tmp_path)
+    module = cli.model
+    module.rl_config = replace(module.rl_config, minibatches=cli.datamodule.n_samples + 1)
+    with pytest.raises(ValueError, match=rf"model.rl.minibatches \({cli.datamodule.n_samples + 1}\) must be <= "
+                                         rf"data.n_samples \({cli.datamodule.n_samples}\)"):
+        cli.trainer.fit(module, datamodule=cli.datamodule)
+    assert int(module.policy_version) == 0 and cli.trainer.global_step == 0
+
+
 def test_a_missing_config_file_is_named(tmp_path, capfd):
     assert f"config file {tmp_path / 'missing.yaml'}: no such file" in _run(
         tmp_path, capfd, "--config", str(tmp_path / "missing.yaml"))

@@ -2,8 +2,10 @@
 
 Files written before the records carried a ``type`` get it from the world's questions by id (``--world-seed``).
 Prints, per file: per type, the number of questions, EM and mean searches (``callbacks.qa_eval.metrics_by_type``),
-how many questions had 0, 1, 2, ... searches, and how many later searches repeated a query the same
-trajectory had already searched (a repeat returns the same passages when retrieval is greedy). Usage::
+how many questions had 0, 1, 2, ... searches, how many later searches repeated a query the same
+trajectory had already searched (a repeat returns the same passages when retrieval is greedy), and, for questions
+of the world, how many trajectories were shown a gold passage of every hop and the EM with and without that (does
+a miss come from the evidence or from the reading?). Usage::
 
     python benchmarks/dev_by_type.py runs/demo_seed*/lightning_logs/version_0/predictions/val_world_dev_step*.jsonl
 """
@@ -26,13 +28,28 @@ def repeated_queries(records: list[dict]) -> tuple[int, int]:
     return sum(query in earlier for query, earlier in later), len(later)
 
 
+def em_by_gold_shown(records: list[dict], gold: dict[str, list[set[str]]]) -> dict[str, tuple[int, float]]:
+    """``{"shown": (n, EM), "not shown": (n, EM)}`` over ``records`` whose id is in ``gold`` (question id -> one set
+    of gold passage ids per hop): "shown" when the trajectory's searches, together, returned a gold passage of every
+    hop. A side with no record is left out."""
+    sides: dict[str, list[float]] = {}
+    for record in records:
+        if record["id"] in gold:
+            returned = {pid for search in record["searches"] for pid in search["ids"]}
+            shown = all(hop & returned for hop in gold[record["id"]])
+            sides.setdefault("shown" if shown else "not shown", []).append(float(record["em"]))
+    return {side: (len(ems), sum(ems) / len(ems)) for side, ems in sorted(sides.items(), reverse=True)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--world-seed", type=int, default=0, help="world whose question types fill in missing ones")
     args = parser.parse_args()
     world = build_world(args.world_seed)
-    types = {ex.id: ex.metadata["type"] for ex in world.train + world.dev + world.test}
+    examples = world.train + world.dev + world.test
+    types = {ex.id: ex.metadata["type"] for ex in examples}
+    gold = {ex.id: [set(hop) for hop in ex.metadata["gold_passages"]] for ex in examples}
     for path in args.files:
         records = [json.loads(line) for line in path.read_text().splitlines()]
         for record in records:
@@ -46,6 +63,10 @@ def main() -> None:
         for key, value in metrics_by_type(records, "").items():
             kind, metric = key.split("/")[2:]
             print(f"  {kind:<12}{counts[kind]:>4} questions  {metric:<9}{value:.3f}")
+        for kind in sorted(counts):
+            sides = em_by_gold_shown([r for r in records if r["type"] == kind], gold)
+            print(f"  {kind:<12}gold of every hop shown: " + "; ".join(f"{side} {n} (EM {em:.3f})"
+                                                              for side, (n, em) in sides.items()))
 
 
 if __name__ == "__main__":

@@ -63,10 +63,11 @@ def main() -> None:
         for key, value in metrics_by_type(records, "").items():
             kind, metric = key.split("/")[2:]
             print(f"  {kind:<12}{counts[kind]:>4} questions  {metric:<9}{value:.3f}")
-        for kind in sorted(counts):
+        for kind in sorted(kind for kind in counts if kind is not None):
             sides = em_by_gold_shown([r for r in records if r["type"] == kind], gold)
-            print(f"  {kind:<12}gold of every hop shown: " + "; ".join(f"{side} {n} (EM {em:.3f})"
-                                                              for side, (n, em) in sides.items()))
+            if sides:  # questions of the world only
+                    print(f"  {kind:<12}gold of every hop shown: " + "; ".join(f"{side} {n} (EM {em:.3f})"
+                                                                  for side, (n, em) in sides.items()))
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ class RLConfig(_Checked):
 def minibatch_problem(minibatches: int | None, n_samples: int | None) -> str | None:
     """The message for ``model.rl.minibatches`` above ``data.n_samples`` (a rollout batch may hold a single GRPO
     group, and every mini-batch needs rows); None when they fit or either is unknown. Checked by the CLI before
-    anything is built and by ``BridgeModule.setup`` for runs built in Python, both before the warm start."""
+    anything is built and by ``BridgeModule.setup`` for runs built in Python (when the fit has a datamodule with
+    ``n_samples``), both before the warm start."""
     if minibatches is None or n_samples is None or minibatches <= n_samples:
         return None
     return (f"model.rl.minibatches ({minibatches}) must be <= data.n_samples ({n_samples}): a rollout batch may "

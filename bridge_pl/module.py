@@ -222,9 +222,10 @@ class BridgeModule(L.LightningModule):
         )
 
     def _reshard_policy(self) -> None:
-        """After a policy step under FSDP2: drop the gathered copies, which hold θ before the step (the optimizer
-        steps the shards, and the roots do not reshard after forward or backward), so that a later forward of the
-        same iteration (the next mini-batch or epoch, a refreshed LM teacher) gathers the new θ."""
+        """Under FSDP2, drop the gathered copies of the sharded roots. After a policy step they hold θ before the step
+        (the optimizer steps the shards, and the roots do not reshard after forward or backward), so a later forward
+        of the same iteration (the next mini-batch or epoch, a refreshed LM teacher) gathers the new θ; at the end
+        of an iteration this frees the gathered weights until the next rollout gathers them."""
         for root in self._sharded_roots():
             reshard(root)
 

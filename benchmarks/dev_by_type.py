@@ -66,8 +66,8 @@ def main() -> None:
         for kind in sorted(kind for kind in counts if kind is not None):
             sides = em_by_gold_shown([r for r in records if r["type"] == kind], gold)
             if sides:  # questions of the world only
-                    print(f"  {kind:<12}gold of every hop shown: " + "; ".join(f"{side} {n} (EM {em:.3f})"
-                                                                  for side, (n, em) in sides.items()))
+                print(f"  {kind:<12}gold of every hop shown: " + "; ".join(f"{side} {n} (EM {em:.3f})"
+                                                              for side, (n, em) in sides.items()))
 
 
 if __name__ == "__main__":

@@ -428,7 +428,7 @@ SOLVERS: dict[str, type[Solver]] = {
 
 
 # SolverConfig fields the module applies in every mode (the retriever's clip only where the retriever trains).
-_MODULE_SETTINGS = ("grad_clip_policy", "max_nonfinite_skips")
+_MODULE_SETTINGS = ("grad_clip_policy", "max_nonfinite_skips", "warn_no_signal_after")
 
 
 def _used_settings(mode: str) -> set[str]:

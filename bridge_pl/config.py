@@ -150,6 +150,9 @@ class SolverConfig(_Checked):
         max_nonfinite_skips: an update whose loss or gradient is not finite is skipped (weights, optimizer state
             and λ untouched; warned, logged as ``nonfinite/skipped``); this many iterations in a row with such a
             skip stop the run with ``NonFiniteTrainingError``.
+        warn_no_signal_after: this many iterations in a row in which θ took no step (no group of trajectories
+            with differing rewards: ``policy/skipped`` = 1) are warned once, with the reward and the action-format
+            rate; the run goes on (a collapsed policy cannot recover by itself, a saturated one needs harder data).
     """
 
     PREFIX: ClassVar[str] = "model.solver"
@@ -158,6 +161,7 @@ class SolverConfig(_Checked):
         "lam_init": _NON_NEGATIVE, "lam_delta": _NON_NEGATIVE, "lam_max": _NON_NEGATIVE,
         "neumann_steps": _AT_LEAST_ONE, "neumann_lr": _POSITIVE, "grad_clip_policy": _POSITIVE,
         "grad_clip_retriever": _POSITIVE, "max_nonfinite_skips": _AT_LEAST_ONE,
+        "warn_no_signal_after": _AT_LEAST_ONE,
     }
 
     phi_steps: int = 1
@@ -171,6 +175,7 @@ class SolverConfig(_Checked):
     grad_clip_policy: float | None = 1.0
     grad_clip_retriever: float | None = 1.0
     max_nonfinite_skips: int = 3
+    warn_no_signal_after: int = 4
 
     def cross_field_problems(self) -> list[str]:
         if self.lam_init > self.lam_max:

@@ -106,6 +106,7 @@ class BridgeModule(L.LightningModule):
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold what trains, not the frozen base weights
         self._nonfinite_streak = 0  # iterations in a row that skipped an update for a non-finite value
+        self._no_signal_streak = 0  # iterations in a row in which θ took no step (no reward signal)
         self.policy = policy
         self.retriever = retriever
         self.rl_config, self.solver_config, self.retrieval_config = rl, solver, retrieval
@@ -333,6 +334,7 @@ class BridgeModule(L.LightningModule):
             }
         )
         logs.update({f"rollout/{name}": value for name, value in batch.sampling.items()})
+        self._watch_no_signal(logs)
         self.log_dict(self._train_log_keys.fill(logs), batch_size=batch.batch_size)
         self._log_at_iterations_done(batch_size=batch.batch_size)
         self.log("reward", logs["train/reward"], prog_bar=True, logger=False, batch_size=batch.batch_size)
@@ -369,6 +371,25 @@ class BridgeModule(L.LightningModule):
             )
         rank_zero_warn(message)
         return 1.0
+
+    def _watch_no_signal(self, logs: dict[str, float]) -> None:
+        """Warn once when θ has taken no step for ``warn_no_signal_after`` iterations in a row.
+
+        GRPO's advantages are zero in a group whose rewards are all equal, so such a streak means the rollouts
+        give θ nothing to learn from: at reward 0 the policy has usually lost the action format (a collapse it
+        cannot leave by itself, since every later group is 0 too), at reward 1 the questions are too easy.
+        """
+        self._no_signal_streak = self._no_signal_streak + 1 if logs.get("policy/skipped") == 1.0 else 0
+        if self._no_signal_streak != self.solver_config.warn_no_signal_after:
+            return
+        rank_zero_warn(
+            f"iteration {int(self.policy_version)}: θ has taken no step for {self._no_signal_streak} iterations in a "
+            f"row, since no group of trajectories had differing rewards (train/reward {logs['train/reward']:.3f}, "
+            f"train/valid_action_rate {logs['train/valid_action_rate']:.2f}). At reward 0 the policy has likely "
+            "lost the action format and will not recover (resume from an earlier checkpoint with a lower "
+            "learning rate, or check the loss mask); at reward 1 the questions are too easy. "
+            f"(model.solver.warn_no_signal_after={self.solver_config.warn_no_signal_after})"
+        )
 
     def _count_iteration(self) -> None:
         """Advance ``trainer.global_step`` by exactly one per iteration, however many inner steps ran."""

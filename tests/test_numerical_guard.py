@@ -75,3 +75,21 @@ def test_too_many_non_finite_iterations_in_a_row_stop_the_run_naming_the_part(tm
                                                      r"model.solver.max_nonfinite_skips=2"):
         fit_tiny(tmp_path, "--trainer.max_steps=4", "--model.solver.max_nonfinite_skips=2",
                  callbacks=(PoisonPhi({0, 1, 2}),))
+
+
+class NoReward(L.Callback):
+    """Sets every reward of the rollout batch to 0 before the update, as after a collapse of the action format."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        batch.rewards.zero_()
+
+
+def test_iterations_without_reward_signal_are_warned_once_per_streak(tmp_path):
+    with pytest.warns(UserWarning) as caught:
+        cli = fit_tiny(tmp_path, "--trainer.max_steps=3", "--model.solver.warn_no_signal_after=2",
+                       callbacks=(NoReward(),))
+    stalls = [str(w.message) for w in caught if "taken no step" in str(w.message)]
+    assert len(stalls) == 1, stalls  # at the second skipped iteration, not again at the third
+    assert stalls[0].startswith("iteration 2: θ has taken no step for 2 iterations in a row")
+    assert "train/reward 0.000" in stalls[0] and "model.solver.warn_no_signal_after=2" in stalls[0]
+    assert float(cli.trainer.callback_metrics["policy/skipped"]) == 1.0

@@ -55,6 +55,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import lightning as L
@@ -179,15 +180,25 @@ def record_path(args: argparse.Namespace, name: str, seed: int) -> Path:
 def setup(args: argparse.Namespace, overrides: list[str]) -> dict:
     """What makes two records comparable: the config (relative to the repository when inside it) and its content,
     the iterations and the config overrides."""
-    return {"config": in_repository(args.config), "config_sha256": config_digest(args.config),
+    return {"config": in_repository(args.config),
+            "config_sha256": config_digest(args.config, replaced_keys(args.max_steps, overrides)),
             "max_steps": args.max_steps, "overrides": overrides}
 
 
-def config_digest(path: str) -> str:
+def replaced_keys(max_steps: int | None, overrides: list[str]) -> set[str]:
+    """The config's dotted keys this command replaces: ``trainer.max_steps`` when ``--max-steps`` is given, and
+    each ``--a.b=value`` (or ``--a.b value``) override's key. The setup keeps the command's own values."""
+    keys = {arg[2:].split("=", 1)[0] for arg in overrides if arg.startswith("--")}
+    return keys | ({"trainer.max_steps"} if max_steps is not None else set())
+
+
+def config_digest(path: str, replaced: Iterable[str] = ()) -> str:
     """The first 16 hex digits of the SHA-256 of what the runs use of the config: its parsed content (comments and
     layout do not count) without what every run replaces or drops (``seed_everything`` and
-    ``trainer.default_root_dir``, set per run; the ``DROPPED`` callbacks). An edited value that the runs use counts:
-    records made before the edit are refused instead of mixed in."""
+    ``trainer.default_root_dir``, set per run; the ``DROPPED`` callbacks; the ``replaced`` dotted keys, which the
+    command line sets). An edited value that the runs use counts: records made before the edit are refused instead
+    of mixed in. One that the command replaces does not: the demo's own iteration count can change while the
+    comparison's ``--max-steps`` stays."""
     config = yaml.safe_load(Path(path).read_text())
     config.pop("seed_everything", None)
     trainer = config.get("trainer") or {}
@@ -195,6 +206,13 @@ def config_digest(path: str) -> str:
     kept = [c for c in trainer.pop("callbacks", None) or [] if not dropped_by_runs(c)]
     if kept:  # none kept reads as none listed
         trainer["callbacks"] = kept
+    for key in replaced:
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -241,6 +241,28 @@ def test_a_record_made_before_the_config_was_edited_is_refused(tmp_path):
             compare_modes.main(argv)
 
 
+def test_a_value_the_command_replaces_may_change_under_a_record(tmp_path):
+    """``--max-steps`` and ``--trainer.x=`` overrides set those keys for every run, so the demo's own iteration count
+    and validation interval may change without refusing the comparison's records; a key no override sets still
+    counts."""
+    compare_modes = load_benchmark("compare_modes")
+    config = tmp_path / "config.yaml"
+    config.write_text(Path(TINY).read_text())
+    records = tmp_path / "records"
+    argv = ["--config", str(config), "--modes", "frozen", "--seeds", "0", "--max-steps", "2",
+            "--trainer.val_check_interval=1", "--table-only", "--records", str(records), "--out", str(tmp_path / "out")]
+    args, overrides = compare_modes.parse_args(argv)
+    records.mkdir()
+    (records / "frozen_seed0.json").write_text(json.dumps(frozen_record(compare_modes.setup(args, overrides))))
+    replaced = Path(TINY).read_text().replace("max_steps: 2", "max_steps: 8").replace("val_check_interval: 2",
+                                                                                     "val_check_interval: 4")
+    config.write_text(replaced)
+    compare_modes.main(argv)
+    config.write_text(replaced.replace("limit_val_batches: 1", "limit_val_batches: 2"))
+    with pytest.raises(ValueError, match="frozen_seed0.json was made with setup"):
+        compare_modes.main(argv)
+
+
 def test_paired_difference_and_verdict_by_hand():
     compare_modes = load_benchmark("compare_modes")
     # differences 0.1, 0.3, 0.2 (seed 3 only in a: unpaired): mean 0.2, sample std 0.1, SE 0.1 / √3

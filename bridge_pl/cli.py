@@ -4,6 +4,7 @@ Errors end the command with one line on stderr naming what is wrong (exit status
 parsing: usage and exit status 2); ``BRIDGE_PL_DEBUG=1`` shows the Python traceback instead.
 
 ``bridge-pl world --out DIR [--seed N]`` writes the built-in synthetic world as FlashRAG-style jsonl.
+``bridge-pl index build|info`` builds an on-disk corpus index (``bridge_pl.index_cli``).
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ def main(args: list[str] | None = None) -> None:
     try:
         if argv[:1] == ["world"]:
             world_main(argv[1:])
+        elif argv[:1] == ["index"]:
+            from bridge_pl.index_cli import index_main
+
+            index_main(argv[1:])
         else:
             BridgeCLI(args=args, parser_kwargs={"allow_abbrev": False})  # None: LightningCLI reads sys.argv
     except Exception as error:  # one line for the user; the traceback on request

@@ -16,7 +16,7 @@ import copy
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -30,13 +30,15 @@ from bridge_pl.config import require_choice
 from bridge_pl.data.qa import Passage
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.retrieval.base import Retriever
+from bridge_pl.retrieval.built_index import BuiltIndex, inner_products
 from bridge_pl.retrieval.index import DenseIndex, IndexKind, is_verified, write_verified
+from bridge_pl.retrieval.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
 
 Pooling = Literal["mean", "cls"]
 PassageTower = Literal["frozen", "tied", "trainable"]
-INDEX_OPTIONS = ("nlist", "nprobe", "hnsw_m", "ef_search", "ef_construction")
+INDEX_OPTIONS = ("nlist", "nprobe", "hnsw_m", "ef_search", "ef_construction", "m", "nbits", "opq")
 
 
 class EncoderTower(nn.Module):
@@ -128,6 +130,25 @@ class EncoderTower(nn.Module):
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
+def encode_by_length(
+    tower: EncoderTower, texts: list[str], batch_size: int, prefix: str, max_length: int,
+    on_batch: Callable[[int], object] = lambda n: None,
+) -> np.ndarray:
+    """``[N, D]`` float32 embeddings of ``texts`` by ``tower`` in eval mode without grad, in the given order.
+
+    Texts are encoded in length order so each batch of ``batch_size`` pads little; ``on_batch(n)`` is called
+    after each batch of ``n``.
+    """
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    out = np.empty((len(texts), tower.dim), dtype=np.float32)
+    with eval_mode(tower), torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            out[rows] = tower.encode([texts[i] for i in rows], prefix=prefix, max_length=max_length).cpu().numpy()
+            on_batch(len(rows))
+    return out
+
+
 def corpus_hash(passages: Sequence[Passage]) -> str:
     """Hex digest of the passages' ids, titles and texts, in row order."""
     h = hashlib.blake2b(digest_size=16)
@@ -141,14 +162,20 @@ class DenseRetriever(Retriever):
 
     Args:
         corpus: a corpus spec for ``bridge_pl.data.sources.load_corpus`` (``"world"``, a jsonl path, ...)
-            or the passages themselves.
+            or the passages themselves; may be left unset (``None``) with ``index_path``, which then
+            supplies the passages. Given with ``index_path``, it must be the corpus the index was built for.
         encoder: registry name, local folder or cached HF id of the encoder (``bridge_pl.models``).
         query_prefix / passage_prefix: prepended to texts (E5: ``"query: "`` / ``"passage: "``).
         pooling: ``"mean"`` over non-pad tokens or ``"cls"``.
         normalize: L2-normalise embeddings (inner product = cosine).
         passage_tower: ``"frozen"`` | ``"tied"`` | ``"trainable"`` (module docstring).
-        index: ``"flat"`` (exact) | ``"ivf"`` | ``"hnsw"``; ``index_options`` holds nlist / nprobe /
-            hnsw_m / ef_search / ef_construction (see :class:`DenseIndex`).
+        index: ``"flat"`` (exact) | ``"ivf"`` | ``"hnsw"`` | ``"ivf_pq"``; ``index_options`` holds nlist /
+            nprobe / hnsw_m / ef_search / ef_construction / m / nbits / opq (see :class:`DenseIndex`).
+        index_path: a folder written by ``bridge-pl index build``: passages, float16 embeddings and the FAISS
+            index are read from disk (memory-mapped, shared by processes) instead of built here; ``index`` is
+            then ignored and ``index_options`` may only set ``nprobe`` / ``ef_search``. With a frozen passage
+            tower, search rescores ``rerank_factor * k`` index candidates exactly from the float16 rows (one
+            candidate per result for a flat index), so search and :meth:`score` give the same numbers.
         max_query_length / max_passage_length: tokenizer truncation, in tokens.
         batch_size: passages per forward pass when encoding the corpus.
         cache_dir: where passage embeddings (and non-flat indexes) are cached, keyed by
@@ -156,6 +183,7 @@ class DenseRetriever(Retriever):
         allow_stale: search an index built by older passage-tower weights without raising.
         rerank_stale / rerank_factor: over-retrieve ``rerank_factor * k`` candidates from a (possibly
             stale) index and rerank them with the current passage tower (Atlas); implies ``allow_stale``.
+            ``rerank_factor`` is also the over-retrieval of an approximate built index (``index_path``).
         progress: show a tqdm bar while encoding the corpus.
         disable_dropout: zero every ``nn.Dropout`` in the towers, so that :meth:`score` in train mode equals
             the eval-mode :meth:`search` scores (the rollout's log-probs and the update's agree).
@@ -165,7 +193,7 @@ class DenseRetriever(Retriever):
 
     def __init__(
         self,
-        corpus: str | list[Passage],
+        corpus: str | list[Passage] | None = None,
         encoder: str = "minilm-l6",
         query_prefix: str = "",
         passage_prefix: str = "",
@@ -183,6 +211,7 @@ class DenseRetriever(Retriever):
         rerank_factor: int = 4,
         progress: bool = True,
         disable_dropout: bool = True,
+        index_path: str | None = None,
     ) -> None:
         super().__init__()
         from bridge_pl.models import load_encoder, load_tokenizer
@@ -210,7 +239,17 @@ class DenseRetriever(Retriever):
         self.progress = progress
         self.encoded_passages = 0  # passages run through a full-corpus encode (cache misses, refreshes)
 
-        if isinstance(corpus, str):
+        if corpus is None and index_path is None:
+            raise ValueError("DenseRetriever needs 'corpus' or 'index_path'")
+        if index_path is not None:
+            searching = {"nprobe", "ef_search"}
+            if set(self.index_options) - searching:
+                raise ValueError(f"DenseRetriever option 'index_options' may only set {sorted(searching)} with "
+                                 f"'index_path' (the rest was fixed by `bridge-pl index build`), got "
+                                 f"{sorted(self.index_options)}")
+        self.index_path = index_path
+        self._built: BuiltIndex | None = None
+        if corpus is None or isinstance(corpus, str):
             self._corpus_spec, self._passages = corpus, None
         else:
             self._corpus_spec, self._passages = "<list>", list(corpus)
@@ -230,13 +269,16 @@ class DenseRetriever(Retriever):
                 if isinstance(module, nn.Dropout):
                     module.p = 0.0
         self.train()  # one mode for all submodules (from_pretrained leaves the encoder in eval mode)
-        self._emb: np.ndarray | None = None  # [N, D] passage embeddings (memory-mapped on a cache hit)
+        # [N, D] passage embeddings: memory-mapped on a cache hit, an EmbeddingStore with index_path
+        self._emb: np.ndarray | EmbeddingStore | None = None
         self._index: DenseIndex | None = None
         self._index_tower_state: dict[str, torch.Tensor] | None = None  # see index_tower_state()
 
     # ---- corpus -------------------------------------------------------------------------------
     @property
     def passages(self) -> Sequence[Passage]:
+        if self._passages is None and self.index_path is not None:
+            self._passages = self._open_built().passages
         if self._passages is None:
             from bridge_pl.data.sources import load_corpus
 
@@ -282,7 +324,8 @@ class DenseRetriever(Retriever):
     def fingerprint(self) -> str:
         """``<passage-encoder digest>-<corpus digest>``; reflects the passage tower's current weights."""
         if self._corpus_hash is None:
-            self._corpus_hash = corpus_hash(self.passages)
+            passages = self.passages  # opening a built index (index_path) sets the hash from its manifest
+            self._corpus_hash = self._corpus_hash or corpus_hash(passages)
         tower = self._passage_side()
         return f"{tower.fingerprint(self.passage_prefix, self.max_passage_length)}-{self._corpus_hash}"
 
@@ -294,23 +337,36 @@ class DenseRetriever(Retriever):
 
         return cache_dir() / "embeddings"
 
+    def _open_built(self) -> BuiltIndex:
+        """Open ``index_path`` (once) and check that it was built by this passage encoder and corpus."""
+        if self._built is None:
+            built = BuiltIndex(self.index_path, device=self.device, **self.index_options)
+            given = None
+            if self._corpus_spec is not None:  # a corpus named beside the index must be the one it holds
+                from bridge_pl.data.sources import load_corpus
+
+                given = corpus_hash(self._passages or load_corpus(self._corpus_spec))
+            tower = self._passage_side()
+            built.check(tower.fingerprint(self.passage_prefix, self.max_passage_length), given)
+            self._built, self._passages, self._corpus_hash = built, built.passages, built.manifest["corpus_fingerprint"]
+            self.index_kind = built.kind
+        return self._built
+
     def _encode_corpus(self) -> np.ndarray:
         """``[N, D]`` float32 embeddings of the whole corpus, under no_grad, in eval mode."""
         passages = self.passages
-        tower = self._passage_side()
-        # Encode in length order so each batch pads little; write rows back in corpus order.
-        order = np.argsort([len(p.title) + len(p.text) for p in passages], kind="stable")
-        out = np.empty((len(passages), tower.dim), dtype=np.float32)
-        with eval_mode(tower), torch.no_grad(), tqdm(total=len(passages), desc="encode passages",
-                                                     unit="psg", disable=not self.progress) as bar:
-            for start in range(0, len(order), self.batch_size):
-                rows = order[start:start + self.batch_size]
-                out[rows] = self.encode_passages([passages[i].contents for i in rows]).cpu().numpy()
-                bar.update(len(rows))
+        with tqdm(total=len(passages), desc="encode passages", unit="psg", disable=not self.progress) as bar:
+            out = encode_by_length(self._passage_side(), [p.contents for p in passages], self.batch_size,
+                                   self.passage_prefix, self.max_passage_length, bar.update)
         self.encoded_passages += len(passages)
         return out
 
     def _build(self, use_cache: bool) -> None:
+        if use_cache and self.index_path is not None:
+            built = self._open_built()
+            self._emb, self._index = built.embeddings, built.index
+            self._keep_index_tower_state()
+            return
         fp = self.fingerprint()
         emb_path = self._cache_root() / f"{fp}.npy"
         if use_cache and _usable_cache(emb_path, "passage embedding"):
@@ -333,6 +389,9 @@ class DenseRetriever(Retriever):
             if index_path is not None:
                 index.save(index_path)
         self._emb, self._index = emb, index
+        self._keep_index_tower_state()
+
+    def _keep_index_tower_state(self) -> None:
         if self.passage_tower_trains:  # what a resumed run needs to rebuild this very (later stale) index
             self._index_tower_state = {k: v.detach().to("cpu", copy=True)
                                        for k, v in self._passage_side().state_dict().items()}
@@ -385,7 +444,7 @@ class DenseRetriever(Retriever):
         flat = rows.clamp(min=0).reshape(-1).cpu()
         if not self.passage_tower_trains:
             self.prepare()
-            emb = torch.from_numpy(np.asarray(self._emb[flat.numpy()], dtype=np.float32))
+            emb = torch.from_numpy(np.asarray(self._emb[flat.numpy()], dtype=np.float32))  # float16 rows: exact
         else:
             uniq, inverse = torch.unique(flat, return_inverse=True)
             texts = [self.passages[i].contents for i in uniq.tolist()]
@@ -408,9 +467,7 @@ class DenseRetriever(Retriever):
         self, q: torch.Tensor, rows: torch.Tensor, query_encoder: nn.Module | None = None
     ) -> torch.Tensor:
         """``[Q, K]`` inner products of query embeddings ``q`` ``[Q, D]`` with passages ``rows`` ``[Q, K]``."""
-        p = self._passage_embeddings(rows, query_encoder).to(q.device)  # [Q, K, D]
-        scores = torch.einsum("qd,qkd->qk", q, p)
-        return scores.masked_fill(rows.to(q.device) < 0, float("-inf"))
+        return inner_products(q, self._passage_embeddings(rows, query_encoder).to(q.device), rows)
 
     def search(self, queries: list[str], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` ``(scores [Q, k] float32, rows [Q, k] int64)`` on CPU, eval mode, no grad.
@@ -425,6 +482,9 @@ class DenseRetriever(Retriever):
         index.check_fresh(expected)
         with eval_mode(self._query_tower, self._passage_side()), torch.no_grad():
             q = self._query_tower(queries)
+            if self._built is not None and index is self._built.index and not self.passage_tower_trains:
+                factor = 1 if index.kind == "flat" else self.rerank_factor
+                return self._built.search(q, k, factor)
             if not rerank:
                 return index.search(q, k)
             _, cand = index.search(q, k * self.rerank_factor)

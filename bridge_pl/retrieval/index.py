@@ -1,4 +1,4 @@
-"""FAISS inner-product indexes (flat / IVF / HNSW) that remember which passage encoder built them.
+"""FAISS inner-product indexes (flat / IVF / HNSW / IVF-PQ) that remember which passage encoder built them.
 
 An index built under one passage-encoder fingerprint and searched under another is *stale*
 (docs/method.md section 6): :meth:`DenseIndex.search` raises :class:`StaleIndexError` unless the caller
@@ -22,7 +22,15 @@ import torch
 
 from bridge_pl.config import require_choice
 
-IndexKind = Literal["flat", "ivf", "hnsw"]
+IndexKind = Literal["flat", "ivf", "hnsw", "ivf_pq"]
+# The settings each kind uses (the others are ignored by it).
+KIND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "flat": (), "ivf": ("nlist", "nprobe"), "hnsw": ("hnsw_m", "ef_search", "ef_construction"),
+    "ivf_pq": ("nlist", "nprobe", "m", "nbits", "opq"),
+}
+# Open flags for a saved index: FAISS maps flat codes, IVF lists and HNSW storage from the file (read-only), so
+# processes opening one file share its pages instead of each reading a private copy.
+MMAP_FLAGS = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
 
 
 class StaleIndexError(RuntimeError):
@@ -97,6 +105,16 @@ def topk_overlap(rows_a: torch.Tensor, rows_b: torch.Tensor) -> float:
     return sum(kept) / max(rows_a.numel(), 1)
 
 
+def default_nlist(n: int) -> int:
+    """IVF cells for ``n`` vectors: ``clamp(4 * sqrt(n), 1, n // 39)`` (FAISS wants >= 39 points per cell)."""
+    return max(1, min(int(4 * math.sqrt(n)), n // 39))
+
+
+def default_pq_m(dim: int) -> int:
+    """The largest divisor of ``dim`` up to ``dim // 8`` (at least 1): ``ivf_pq``'s default ``m``."""
+    return max([m for m in range(1, max(dim // 8, 1) + 1) if dim % m == 0])
+
+
 def faiss_gpu_available() -> bool:
     """Whether this ``faiss`` build has GPU support and sees at least one GPU."""
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
@@ -107,11 +125,16 @@ class DenseIndex:
 
     Args:
         dim: embedding width ``D``.
-        kind: ``"flat"`` (exact, default), ``"ivf"`` (IndexIVFFlat; trained on the added vectors) or
-            ``"hnsw"`` (IndexHNSWFlat, inner-product metric) for large corpora.
+        kind: ``"flat"`` (exact, default; ``4 D`` bytes per vector), ``"ivf"`` (IndexIVFFlat: ``4 D + 8``),
+            ``"hnsw"`` (IndexHNSWFlat: ``4 D + 8 hnsw_m``) or ``"ivf_pq"`` (IndexIVFPQ, optionally behind an
+            OPQ rotation: ``m * nbits / 8 + 8`` bytes per vector). IVF kinds train on the first vectors added
+            (or on :meth:`train`'s sample).
         fingerprint: identifies the passage encoder (and corpus) the vectors came from.
         nlist: IVF cells; default ``clamp(4 * sqrt(N), 1, N // 39)`` (FAISS wants >= 39 points per cell).
-        nprobe: IVF cells visited per query.
+        nprobe: IVF cells visited per query (search cost grows with ``nprobe / nlist``).
+        m / nbits: ``ivf_pq`` sub-quantizers (must divide ``D``; default the largest divisor of ``D`` up to
+            ``D // 8``) and bits per sub-quantizer code (default 8: 256 centroids each).
+        opq: ``ivf_pq`` with a learned OPQ rotation before the quantizers (a ``D x D`` float matrix more).
         hnsw_m: HNSW graph degree ``M``.
         ef_search / ef_construction: HNSW beam widths at search / build time.
         device: ``"cuda..."`` puts flat/IVF indexes on all GPUs when FAISS has GPU support;
@@ -128,6 +151,9 @@ class DenseIndex:
         hnsw_m: int = 32,
         ef_search: int = 128,
         ef_construction: int = 80,
+        m: int | None = None,
+        nbits: int = 8,
+        opq: bool = False,
         device: str | torch.device = "cpu",
     ) -> None:
         require_choice("DenseIndex kind", kind, IndexKind)
@@ -141,6 +167,9 @@ class DenseIndex:
         self.hnsw_m = hnsw_m
         self.ef_search = ef_search
         self.ef_construction = ef_construction
+        self.m = m
+        self.nbits = nbits
+        self.opq = opq
         self.device = str(device)
         self._cpu: faiss.Index | None = None  # master copy (saved); None until vectors are added
         self._searcher: faiss.Index | None = None  # the CPU index itself or its GPU clone
@@ -161,28 +190,49 @@ class DenseIndex:
             index = faiss.IndexHNSWFlat(self.dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
             index.hnsw.efConstruction = self.ef_construction
             return index
-        nlist = self.nlist or max(1, min(int(4 * math.sqrt(n)), n // 39))
+        nlist = self.nlist or default_nlist(n)
         if nlist > n:
-            raise ValueError(f"ivf index: nlist={nlist} exceeds the number of vectors ({n})")
+            raise ValueError(f"index option 'nlist'={nlist} is larger than the corpus ({n} passages); "
+                             f"use at most {max(1, n // 39)} (FAISS wants >= 39 passages per cell)")
         self.nlist = nlist
-        return faiss.IndexIVFFlat(faiss.IndexFlatIP(self.dim), self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        if self.kind == "ivf":
+            return faiss.IndexIVFFlat(faiss.IndexFlatIP(self.dim), self.dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        m = self.m or default_pq_m(self.dim)
+        if m < 1 or self.dim % m:
+            raise ValueError(f"index option 'm'={m} must divide the embedding width D={self.dim}")
+        if not 1 <= self.nbits <= 16 or 2 ** self.nbits > n:
+            raise ValueError(f"index option 'nbits'={self.nbits} must be in 1..16 with 2**nbits <= the corpus "
+                             f"size ({n} passages)")
+        self.m = m
+        opq = f"OPQ{m}," if self.opq else ""
+        return faiss.index_factory(self.dim, f"{opq}IVF{nlist},PQ{m}x{self.nbits}", faiss.METRIC_INNER_PRODUCT)
 
-    def add(self, embeddings: np.ndarray | torch.Tensor) -> None:
-        """Append ``[N, D]`` vectors as rows ``ntotal..ntotal+N-1``; IVF trains on the first batch."""
+    def train(self, sample: np.ndarray | torch.Tensor, n_total: int) -> None:
+        """Create the (empty) index for ``n_total`` vectors and train it on ``sample`` ``[S, D]`` (IVF kinds)."""
+        emb = self._check_width(sample)
+        self._cpu = self._new_cpu_index(n_total)
+        if not self._cpu.is_trained:
+            self._cpu.train(emb)
+        self._searcher = None
+
+    def _check_width(self, embeddings: np.ndarray | torch.Tensor) -> np.ndarray:
         emb = as_float32(embeddings)
         if emb.shape[1] != self.dim:
             raise ValueError(f"embeddings have width {emb.shape[1]}, index expects {self.dim}")
+        return emb
+
+    def add(self, embeddings: np.ndarray | torch.Tensor) -> None:
+        """Append ``[N, D]`` vectors as rows ``ntotal..ntotal+N-1``; IVF trains on the first batch."""
+        emb = self._check_width(embeddings)
         if self._cpu is None:
-            self._cpu = self._new_cpu_index(len(emb))
-            if not self._cpu.is_trained:
-                self._cpu.train(emb)
+            self.train(emb, len(emb))
         self._cpu.add(emb)
         self._configure(self._cpu)
         self._searcher = None
 
     def _configure(self, index: faiss.Index) -> None:
-        if self.kind == "ivf":
-            index.nprobe = self.nprobe
+        if self.kind in ("ivf", "ivf_pq"):
+            faiss.extract_index_ivf(index).nprobe = self.nprobe
         elif self.kind == "hnsw":
             index.hnsw.efSearch = self.ef_search
 
@@ -244,11 +294,12 @@ class DenseIndex:
         return scores.masked_fill(rows < 0, float("-inf")), rows
 
     # ---- persistence --------------------------------------------------------------------------
-    def _meta(self) -> dict:
+    def settings(self) -> dict:
+        """The constructor arguments (less ``device``) that describe this index; :meth:`open` takes them."""
         return {
             "dim": self.dim, "kind": self.kind, "fingerprint": self.fingerprint, "nlist": self.nlist,
             "nprobe": self.nprobe, "hnsw_m": self.hnsw_m, "ef_search": self.ef_search,
-            "ef_construction": self.ef_construction,
+            "ef_construction": self.ef_construction, "m": self.m, "nbits": self.nbits, "opq": self.opq,
         }
 
     def save(self, path: str | Path) -> Path:
@@ -256,7 +307,7 @@ class DenseIndex:
         if self._cpu is None:
             raise RuntimeError("cannot save an empty index")
         blob = faiss.serialize_index(self._cpu)
-        meta = np.frombuffer(json.dumps(self._meta()).encode(), np.uint8)
+        meta = np.frombuffer(json.dumps(self.settings()).encode(), np.uint8)
         return write_verified(path, lambda f: np.savez(f, index=blob, meta=meta))
 
     @classmethod
@@ -270,5 +321,28 @@ class DenseIndex:
             blob = data["index"]
         index = cls(device=device, **meta)
         index._cpu = faiss.deserialize_index(blob)
+        index._configure(index._cpu)
+        return index
+
+    def write(self, path: str | Path) -> Path:
+        """Write the bare FAISS index (``faiss.write_index`` format, so :meth:`open` can map it), atomically,
+        with a ``.b2`` digest; the settings are the caller's to keep (:meth:`settings`)."""
+        if self._cpu is None:
+            raise RuntimeError("cannot write an empty index")
+        return write_verified(path, lambda f: faiss.write_index(self._cpu, faiss.PyCallbackIOWriter(f.write)))
+
+    @classmethod
+    def open(cls, path: str | Path, settings: dict, device: str | torch.device = "cpu") -> DenseIndex:
+        """Open a file written by :meth:`write`, memory-mapped read-only (see ``MMAP_FLAGS``)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"index file not found: {path}")
+        index = cls(device=device, **settings)
+        try:
+            index._cpu = faiss.read_index(str(path), MMAP_FLAGS)
+        except RuntimeError as error:
+            raise ValueError(f"{path}: not a readable FAISS index (truncated?): {str(error).splitlines()[0]}") from None
+        if index._cpu.d != index.dim:
+            raise ValueError(f"{path}: index width {index._cpu.d}, its settings say {index.dim}")
         index._configure(index._cpu)
         return index

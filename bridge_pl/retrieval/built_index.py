@@ -1,0 +1,318 @@
+"""A corpus index built once on disk (``bridge-pl index build``) and opened by every training process.
+
+Folder layout (all files written to a temp file and renamed, each with a ``<file>.b2`` digest)::
+
+    manifest.json             corpus + encoder fingerprints, width, chunk size, and (once done) the index settings
+    passages.jsonl            the passage text store, one ``[id, title, text]`` per line
+    passages.offsets.npy      int64 [N + 1] byte offsets into passages.jsonl
+    emb-00000.f16 ...         float16 passage embeddings, ``chunk_rows`` rows per shard
+    index.faiss               the FAISS index (``faiss.write_index``), opened memory-mapped
+
+The build is resumable: a shard whose digest matches is kept and skipped, so a build killed at any point
+(``kill -9`` included) redoes at most the shard it was writing and the index training.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+import torch
+
+from bridge_pl.data.qa import Passage
+from bridge_pl.retrieval.index import (
+    KIND_OPTIONS,
+    DenseIndex,
+    StaleIndexError,
+    atomic_write,
+    default_nlist,
+    is_verified,
+)
+from bridge_pl.retrieval.store import (
+    OFFSETS_FILE,
+    PASSAGES_FILE,
+    EmbeddingStore,
+    PassageStore,
+    StoreError,
+    shard_path,
+    write_embedding_shard,
+    write_passage_store,
+)
+
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "index.faiss"
+FORMAT = "bridge-pl index 1"
+TRAIN_ROWS_PER_CELL = 50  # k-means sample per IVF cell (FAISS warns below 39)
+TRAIN_ROWS_PER_CENTROID = 64  # PQ sample per sub-quantizer centroid
+TRAIN_SEED = 0
+
+
+@dataclass(frozen=True)
+class EncoderSettings:
+    """How passages were encoded: the passage side of a ``DenseRetriever`` with the same values."""
+
+    name: str
+    pooling: str = "mean"
+    normalize: bool = True
+    passage_prefix: str = ""
+    max_passage_length: int = 256
+
+
+def inner_products(q: torch.Tensor, p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[Q, K]`` scores ``q_i · p_ij`` of queries ``q`` ``[Q, D]`` and passages ``p`` ``[Q, K, D]``; ``-inf`` where
+    ``rows`` ``[Q, K]`` is -1. The one formula for search-time and training-time scores."""
+    scores = torch.einsum("qd,qkd->qk", q, p)
+    return scores.masked_fill(rows.to(q.device) < 0, float("-inf"))
+
+
+class Progress:
+    """Counts done/total with rate and ETA: a tqdm bar on a terminal, else one plain line per ``every_s``."""
+
+    def __init__(self, total: int, desc: str, unit: str, stream: TextIO | None = None, every_s: float = 10.0,
+                 enabled: bool = True) -> None:
+        self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
+        self.stream = stream or sys.stderr
+        self.done = self._counted = 0
+        self._start = self._last = time.monotonic()
+        self._bar = None
+        self.enabled = enabled
+        if enabled and self.stream.isatty():
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream)
+
+    def skip(self, n: int) -> None:
+        """``n`` items already done by an earlier run (not counted in the rate)."""
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def update(self, n: int) -> None:
+        self.done += n
+        self._counted += n
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if self.enabled and (now - self._last >= self.every_s or self.done >= self.total):
+            self._last = now
+            self.stream.write(self.line(now - self._start) + "\n")
+            self.stream.flush()
+
+    def line(self, elapsed: float) -> str:
+        """``"desc: done/total unit (pct), rate unit/s, ETA h:mm:ss"``."""
+        rate = self._counted / elapsed if elapsed > 0 else 0.0
+        left = (self.total - self.done) / rate if rate > 0 else float("nan")
+        eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left == left else "?"
+        pct = 100.0 * self.done / max(self.total, 1)
+        return f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({pct:.1f}%), {rate:,.1f} {self.unit}/s, ETA {eta}"
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        raise StoreError(f"{folder}: not a built index ({MANIFEST_FILE} is missing); build it with "
+                         "`bridge-pl index build`")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise StoreError(f"{path}: unreadable manifest ({error})") from None
+    if manifest.get("format") != FORMAT:
+        raise StoreError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    atomic_write(folder / MANIFEST_FILE, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+def index_fingerprint(manifest: dict) -> str:
+    """``<encoder fingerprint>-<corpus fingerprint>``, as ``DenseRetriever.fingerprint()`` gives it."""
+    return f"{manifest['encoder']['fingerprint']}-{manifest['corpus_fingerprint']}"
+
+
+def _train_rows(n: int, kind: str, nlist: int | None, nbits: int) -> np.ndarray:
+    """Sorted rows of the training sample (seeded): every row for flat/HNSW, which do not train."""
+    if kind in ("flat", "hnsw"):
+        return np.arange(0)
+    want = TRAIN_ROWS_PER_CELL * (nlist or default_nlist(n))
+    if kind == "ivf_pq":
+        want = max(want, TRAIN_ROWS_PER_CENTROID * 2 ** nbits)
+    if want >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(TRAIN_SEED).choice(n, size=want, replace=False))
+
+
+def write_index(folder: Path, store: EmbeddingStore, fingerprint: str, options: dict,
+                progress: bool = True) -> DenseIndex:
+    """Train (on a seeded sample) and fill an index of ``options`` (DenseIndex arguments) from ``store``'s
+    shards, one shard in memory at a time; write it as ``folder/index.faiss``."""
+    index = DenseIndex(store.dim, fingerprint=fingerprint, **options)
+    sample = _train_rows(store.rows, index.kind, index.nlist, index.nbits)
+    index.train(store[sample] if len(sample) else np.zeros((0, store.dim), np.float32), store.rows)
+    bar = Progress(store.rows, "index add", "vec", enabled=progress)
+    for shard in range(store.shards):
+        index.add(store.shard(shard))
+        bar.update(store.shard_rows(shard))
+    bar.close()
+    index.write(folder / INDEX_FILE)
+    return index
+
+
+def build_index(
+    corpus_spec: str,
+    passages: Sequence[Passage],
+    corpus_fingerprint: str,
+    out: str | Path,
+    encoder: EncoderSettings,
+    encode: Callable[[list[str]], np.ndarray],
+    encoder_fingerprint: str,
+    dim: int,
+    index_options: dict,
+    chunk_rows: int = 8192,
+    progress: bool = True,
+) -> Path:
+    """Build (or resume building) the index folder ``out``; returns it.
+
+    Args:
+        corpus_spec / passages / corpus_fingerprint: the corpus as named, its rows and its digest.
+        encoder / encode / encoder_fingerprint / dim: the passage encoder's settings, a function
+            ``texts -> [n, dim] float32`` (``Passage.contents``) and its fingerprint.
+        index_options: ``DenseIndex`` arguments (``kind``, ``nlist``, ``m``, ...).
+        chunk_rows: passages per embedding shard (the unit of resumption).
+    """
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    if chunk_rows < 1:
+        raise ValueError(f"index build option '--chunk-size' must be >= 1, got {chunk_rows}")
+    corpus = {"format": FORMAT, "corpus": corpus_spec, "corpus_fingerprint": corpus_fingerprint,
+              "passages": len(passages), "encoder": {**asdict(encoder), "fingerprint": encoder_fingerprint},
+              "dim": dim, "chunk_rows": chunk_rows}
+    manifest = _read_manifest(folder) if (folder / MANIFEST_FILE).exists() else {}
+    for key, value in corpus.items():
+        if key in manifest and manifest[key] != value:
+            raise ValueError(f"{folder}: holds a build with another {key} ({manifest[key]!r}, now {value!r}); "
+                             "give another --out folder or delete this one")
+    request = dict(index_options)
+    done = manifest.get("index_request") == request and is_verified(folder / INDEX_FILE)
+    if not done:  # new, unfinished, or other index settings (the embeddings are kept)
+        (folder / INDEX_FILE).unlink(missing_ok=True)
+        _write_manifest(folder, corpus)
+
+    if not (is_verified(folder / PASSAGES_FILE) and is_verified(folder / OFFSETS_FILE)):
+        write_passage_store(passages, folder)
+    shards = -(-len(passages) // chunk_rows)
+    bar = Progress(len(passages), "encode passages", "psg", enabled=progress)
+    for shard in range(shards):
+        rows = range(shard * chunk_rows, min((shard + 1) * chunk_rows, len(passages)))
+        if is_verified(shard_path(folder, shard)):
+            bar.skip(len(rows))
+            continue
+        write_embedding_shard(folder, shard, encode([passages[i].contents for i in rows]))
+        bar.update(len(rows))
+    bar.close()
+
+    if not done:
+        store = EmbeddingStore(folder, len(passages), dim, chunk_rows)
+        index = write_index(folder, store, index_fingerprint(corpus), index_options, progress)
+        _write_manifest(folder, {**corpus, "index_request": request, "index": index.settings()})
+    return folder
+
+
+class BuiltIndex:
+    """An index folder opened for search: the FAISS index (memory-mapped), the passage text store and the
+    float16 embedding store, none of them read into memory.
+
+    Args:
+        folder: a folder written by :func:`build_index`.
+        nprobe / ef_search: search-time settings replacing the built ones (``None``: keep).
+        device: where the FAISS index searches (see ``DenseIndex``).
+    """
+
+    def __init__(self, folder: str | Path, nprobe: int | None = None, ef_search: int | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        self.folder = Path(folder)
+        self.manifest = _read_manifest(self.folder)
+        if "index" not in self.manifest:
+            raise StoreError(f"{self.folder}: the build did not finish; rerun the same `bridge-pl index build` "
+                             "command to resume it")
+        self.fingerprint = index_fingerprint(self.manifest)
+        rows, dim = int(self.manifest["passages"]), int(self.manifest["dim"])
+        self.passages = PassageStore(self.folder, rows)
+        self.embeddings = EmbeddingStore(self.folder, rows, dim, int(self.manifest["chunk_rows"]))
+        settings = dict(self.manifest["index"])
+        settings.update({k: v for k, v in (("nprobe", nprobe), ("ef_search", ef_search)) if v is not None})
+        self.index = DenseIndex.open(self.folder / INDEX_FILE, {**settings, "device": device})
+
+    @property
+    def kind(self) -> str:
+        return self.index.kind
+
+    def check(self, encoder_fingerprint: str, corpus_fingerprint: str | None = None) -> None:
+        """Raise :class:`StaleIndexError` (one line, naming the folder) unless built by this encoder and corpus."""
+        built = self.manifest["encoder"]
+        if encoder_fingerprint != built["fingerprint"]:
+            raise StaleIndexError(
+                f"index {self.folder} was built with passage encoder {built['name']!r} (fingerprint "
+                f"{built['fingerprint']}, prefix {built['passage_prefix']!r}, max length "
+                f"{built['max_passage_length']}), not the retriever's ({encoder_fingerprint}); rebuild it with "
+                "`bridge-pl index build` and the retriever's encoder settings")
+        if corpus_fingerprint is not None and corpus_fingerprint != self.manifest["corpus_fingerprint"]:
+            raise StaleIndexError(
+                f"index {self.folder} was built for corpus {self.manifest['corpus']!r} (fingerprint "
+                f"{self.manifest['corpus_fingerprint']}), not this corpus ({corpus_fingerprint}); rebuild it or "
+                "leave the retriever's 'corpus' unset to use the index's own passages")
+
+    def search(self, q: torch.Tensor, k: int, rerank_factor: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-``k`` of ``rerank_factor * k`` index candidates for ``q`` ``[Q, D]``, rescored exactly with the
+        float16 embedding rows (:func:`inner_products`): ``(scores [Q, k] float32, rows [Q, k] int64)``."""
+        _, cand = self.index.search(q, k * rerank_factor)
+        scores = inner_products(q.cpu().float(), self.rows(cand), cand)
+        top = scores.topk(min(k, scores.shape[1]), dim=1)
+        return top.values, cand.gather(1, top.indices).masked_fill(top.values == float("-inf"), -1)
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[*rows.shape, D]`` float32 embeddings of ``rows`` (-1 gives row 0's; the caller masks it)."""
+        flat = rows.clamp(min=0).reshape(-1).cpu().numpy()
+        return torch.from_numpy(self.embeddings[flat]).reshape(*rows.shape, -1)
+
+
+def _bytes(folder: Path, names: list[str]) -> int:
+    return sum((folder / n).stat().st_size for n in names if (folder / n).is_file())
+
+
+def index_info(folder: str | Path, verify: bool = False) -> list[str]:
+    """Lines describing an index folder (size, kind, corpus and encoder fingerprints); ``verify`` checks every
+    file's digest (reads it all)."""
+    folder = Path(folder)
+    m = _read_manifest(folder)
+    shards = -(-m["passages"] // m["chunk_rows"])
+    shard_names = [shard_path(folder, s).name for s in range(shards)]
+    done = sum(is_verified(folder / n) if verify else (folder / n).is_file() for n in shard_names)
+    text, emb = [PASSAGES_FILE, OFFSETS_FILE], shard_names
+    index = m.get("index")
+    lines = [
+        f"index:    {folder}",
+        f"kind:     {index['kind'] if index else '(build not finished)'}"
+        + ("" if not index else "  " + ", ".join(f"{k}={index[k]}" for k in KIND_OPTIONS[index["kind"]])),
+        f"corpus:   {m['corpus']}  ({m['passages']:,} passages, fingerprint {m['corpus_fingerprint']})",
+        f"encoder:  {m['encoder']['name']}  (D={m['dim']}, fingerprint {m['encoder']['fingerprint']}, "
+        f"prefix {m['encoder']['passage_prefix']!r}, max length {m['encoder']['max_passage_length']})",
+        f"size:     index {_bytes(folder, [INDEX_FILE]):,} B, embeddings {_bytes(folder, emb):,} B "
+        f"(float16, {done}/{shards} shards), text {_bytes(folder, text):,} B",
+    ]
+    if verify:
+        bad = [n for n in [*text, *([INDEX_FILE] if index else [])] if not is_verified(folder / n)]
+        lines.append("verify:   " + ("all digests match" if not bad and done == shards
+                                     else f"damaged or missing: {', '.join(bad) or 'shards'}"))
+    return lines

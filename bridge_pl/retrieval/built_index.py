@@ -111,7 +111,8 @@ class Progress:
         left = (self.total - self.done) / rate if rate > 0 else float("nan")
         eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left == left else "?"
         pct = 100.0 * self.done / max(self.total, 1)
-        return f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({pct:.1f}%), {rate:,.1f} {self.unit}/s, ETA {eta}"
+        return (f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({pct:.1f}%), "
+                f"{rate:,.1f} {self.unit}/s, ETA {eta}")
 
     def close(self) -> None:
         if self._bar is not None:

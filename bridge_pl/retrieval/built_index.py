@@ -199,6 +199,8 @@ def build_index(
     corpus = {"format": FORMAT, "corpus": corpus_spec, "corpus_fingerprint": corpus_fingerprint,
               "passages": len(passages), "encoder": {**asdict(encoder), "fingerprint": encoder_fingerprint},
               "dim": dim, "chunk_rows": chunk_rows}
+    for torn in folder.glob("*.tmp"):  # left by a build killed while writing a file
+        torn.unlink(missing_ok=True)
     manifest = _read_manifest(folder) if (folder / MANIFEST_FILE).exists() else {}
     for key, value in corpus.items():
         if key in manifest and manifest[key] != value:
@@ -253,7 +255,7 @@ class BuiltIndex:
         self.embeddings = EmbeddingStore(self.folder, rows, dim, int(self.manifest["chunk_rows"]))
         settings = dict(self.manifest["index"])
         settings.update({k: v for k, v in (("nprobe", nprobe), ("ef_search", ef_search)) if v is not None})
-        self.index = DenseIndex.open(self.folder / INDEX_FILE, {**settings, "device": device})
+        self.index = DenseIndex.open(self.folder / INDEX_FILE, settings, device)
 
     @property
     def kind(self) -> str:

@@ -205,7 +205,8 @@ class DenseIndex:
                              f"size ({n} passages)")
         self.m = m
         opq = f"OPQ{m}," if self.opq else ""
-        return faiss.index_factory(self.dim, f"{opq}IVF{nlist},PQ{m}x{self.nbits}", faiss.METRIC_INNER_PRODUCT)
+        # "np": no polysemous code training (slow, and only for Hamming-filtered search, which is not used)
+        return faiss.index_factory(self.dim, f"{opq}IVF{nlist},PQ{m}x{self.nbits}np", faiss.METRIC_INNER_PRODUCT)
 
     def train(self, sample: np.ndarray | torch.Tensor, n_total: int) -> None:
         """Create the (empty) index for ``n_total`` vectors and train it on ``sample`` ``[S, D]`` (IVF kinds)."""

@@ -1,0 +1,213 @@
+"""On-disk index: the stores, ``bridge-pl index build`` (resume after ``kill -9``), ``index info``, bad input,
+training with a prebuilt ``ivf_pq`` index, and two fsdp2 processes sharing one index file.
+
+The 2-process fit runs this file as a script (Lightning re-launches it as rank 1), as tests/test_fsdp2.py does.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import fit_tiny
+
+from bridge_pl.cli import main
+from bridge_pl.data.packaged import wikipedia_corpus
+from bridge_pl.data.qa import Passage, write_corpus
+from bridge_pl.retrieval.built_index import INDEX_FILE, BuiltIndex
+from bridge_pl.retrieval.index import DenseIndex, topk_overlap
+from bridge_pl.retrieval.store import (
+    EmbeddingStore,
+    PassageStore,
+    StoreError,
+    shard_path,
+    write_embedding_shard,
+    write_passage_store,
+)
+
+BUILD = ["index", "build", "--corpus", "world", "--encoder", "tiny-bert", "--kind", "ivf_pq", "--nbits", "4",
+         "--chunk-size", "200", "--quiet"]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "manifest.json"}
+
+
+@pytest.fixture(scope="module")
+def world_index(tmp_path_factory) -> Path:
+    """An uninterrupted ivf_pq build of the world with tiny-bert (1,844 passages, 10 shards)."""
+    out = tmp_path_factory.mktemp("built") / "world"
+    main([*BUILD, "--out", str(out)])
+    return out
+
+
+def test_passage_store_reads_rows_by_offset(tmp_path):
+    passages = [Passage("a", "Ünïcode", "text with\nnewline"), Passage("b", "", ""), Passage("c", "T", "x" * 5000)]
+    assert write_passage_store(passages, tmp_path) == 3
+    store = PassageStore(tmp_path, rows=3)
+    assert len(store) == 3 and store[0] == passages[0] and store[-1] == passages[2]
+    assert store[1:] == passages[1:] and list(store) == passages
+    with pytest.raises(IndexError):
+        store[3]  # noqa: B018
+
+
+def test_embedding_store_gives_float16_rows_as_float32(tmp_path):
+    emb = np.random.default_rng(0).normal(size=(10, 6)).astype(np.float32)
+    write_embedding_shard(tmp_path, 0, emb[:4])
+    write_embedding_shard(tmp_path, 1, emb[4:8])
+    write_embedding_shard(tmp_path, 2, emb[8:])
+    store = EmbeddingStore(tmp_path, rows=10, dim=6, chunk_rows=4)
+    rows = np.array([9, 0, 4, 4])
+    np.testing.assert_array_equal(store[rows], emb[rows].astype(np.float16).astype(np.float32))
+    assert store[rows].dtype == np.float32 and store.shard(2).shape == (2, 6)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("passages.jsonl", "passages.jsonl: "), ("passages.offsets.npy", "passages.offsets.npy"),
+    ("emb-00003.f16", "emb-00003.f16: ")])
+def test_a_truncated_or_missing_store_file_is_named(world_index, tmp_path, damage, message):
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for path in world_index.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    (folder / damage).write_bytes((folder / damage).read_bytes()[:-10])
+    with pytest.raises(StoreError, match=message):
+        BuiltIndex(folder)
+    (folder / damage).unlink()
+    with pytest.raises(StoreError, match=f"{damage}.* missing"):
+        BuiltIndex(folder)
+
+
+def test_index_build_resumes_after_kill_9_and_equals_an_uninterrupted_build(world_index, tmp_path):
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # One passage per forward so the encode lasts long enough to be killed after two of its ten shards.
+    cmd = [sys.executable, "-m", "bridge_pl.cli", *BUILD, "--out", str(out), "--batch-size", "1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not Path(str(shard_path(out, 1)) + ".b2").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "the build wrote no shard in 120 s"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("emb-*.f16")}
+    assert not (out / INDEX_FILE).exists() and 2 <= len(kept) < 10
+    # A kill inside a file write leaves a temp file; one between a shard and its digest, a shard without one.
+    (out / "emb-00009.f16.123.tmp").write_bytes(b"torn")
+    last = max(kept)
+    Path(str(out / last) + ".b2").unlink()
+    main([*BUILD, "--out", str(out)])
+    assert _files(out) == _files(world_index)
+    kept.pop(last)
+    assert all((out / name).stat().st_mtime_ns == mtime for name, mtime in kept.items())  # finished: skipped
+
+
+def test_info_prints_kind_size_corpus_and_encoder(world_index, capsys):
+    main(["index", "info", str(world_index), "--verify"])
+    out = capsys.readouterr().out
+    manifest = json.loads((world_index / "manifest.json").read_text())
+    assert "kind:     ivf_pq  nlist=" in out and "m=4, nbits=4, opq=False" in out
+    assert manifest["encoder"]["fingerprint"] in out and manifest["corpus_fingerprint"] in out
+    assert "1,844 passages" in out and "(float16, 10/10 shards)" in out and "all digests match" in out
+
+
+def test_packaged_wikipedia_text_round_trips_and_an_opq_index_opens_memory_mapped(tmp_path):
+    corpus = tmp_path / "wiki.jsonl"
+    write_corpus(corpus, wikipedia_corpus()[:300])
+    out = tmp_path / "wiki"
+    main(["index", "build", "--corpus", str(corpus), "--encoder", "tiny-bert", "--kind", "ivf_pq", "--opq",
+          "--nbits", "4", "--nlist", "4", "--out", str(out), "--quiet"])
+    built = BuiltIndex(out)
+    assert list(built.passages) == wikipedia_corpus()[:300]
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # Linux: the index file is mapped, not read into private memory
+        assert str(out / INDEX_FILE) in maps.read_text()
+    q = torch.from_numpy(built.embeddings[np.arange(0, 300, 30)])
+    scores, rows = built.search(q, 5, rerank_factor=8)
+    assert rows.shape == (10, 5) and bool((rows >= 0).all()) and bool((scores[:, :-1] >= scores[:, 1:]).all())
+    torch.testing.assert_close(scores, (q.unsqueeze(1) * built.rows(rows)).sum(-1))  # exact float16-row scores
+
+
+def test_ivf_pq_with_exact_rescoring_finds_the_exact_top_10():
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(20, 64))
+    x = centres[rng.integers(20, size=4000)] + 0.5 * rng.normal(size=(4000, 64))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    q = torch.from_numpy(x[:100] + 0.1 * rng.normal(size=(100, 64)).astype(np.float32))
+    index = DenseIndex.build(x, kind="ivf_pq", m=16, nbits=8, nlist=32, nprobe=8)
+    _, cand = index.search(q, 100)
+    rescored = (q.unsqueeze(1) * torch.from_numpy(x)[cand]).sum(-1)
+    rows = cand.gather(1, rescored.topk(10).indices)
+    assert topk_overlap(rows, (q @ torch.from_numpy(x).T).topk(10).indices) >= 0.95
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--m", "5"], "index option 'm'=5 must divide the embedding width D=32"),
+    (["--nlist", "5000"], "index option 'nlist'=5000 is larger than the corpus (1844 passages)"),
+    (["--nprobe", "0"], "index build option '--nprobe' must be >= 1"),
+])
+def test_bad_build_options_end_in_one_line(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main([*BUILD, "--out", str(tmp_path / "x"), *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--model.retriever.init_args.passage_prefix=passage: ", "was built with passage encoder 'tiny-bert'"),
+    ("--model.retriever.init_args.corpus=world:1", "was built for corpus 'world'"),
+    ("--model.retriever.init_args.index_path=/nonexistent/index", "/nonexistent/index: not a built index"),
+])
+def test_a_config_pointing_at_the_wrong_index_fails_in_one_line(world_index, tmp_path, capsys, override, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(Path(__file__).parent / "configs" / "tiny.yaml"),
+              f"--trainer.default_root_dir={tmp_path}", f"--model.retriever.init_args.index_path={world_index}",
+              override])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "bridge-pl: error:" in line]
+    assert exit_.value.code == 1 and len(errors) == 1 and message in errors[0]
+
+
+def test_the_tiny_config_trains_with_a_prebuilt_ivf_pq_index(world_index, tmp_path):
+    cli = fit_tiny(tmp_path, f"--model.retriever.init_args.index_path={world_index}",
+                   "--model.retriever.init_args.corpus=null")
+    retriever = cli.model.retriever
+    assert cli.trainer.global_step == 2 and retriever.version == 2
+    assert isinstance(retriever.passages, PassageStore) and retriever.index.kind == "ivf_pq"
+    queries = ["who studied under a physician"]
+    scores, rows = retriever.search(queries, 4)
+    torch.testing.assert_close(retriever.score(queries, rows).detach(), scores)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
+def test_two_fsdp2_processes_open_one_shared_index_file(world_index, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, __file__, str(tmp_path), str(world_index)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["mapped"] and r["steps"] == 1 for r in ranks)
+    assert ranks[0]["rows"] == ranks[1]["rows"]
+
+
+def _two_process_fit(out: Path, index: Path) -> None:
+    """Rank 0 and its re-launched rank 1: one fsdp2 iteration over the prebuilt index; each records whether the
+    index file is mapped into it and what it retrieves for a fixed query."""
+    torch.set_num_threads(1)
+    cli = fit_tiny(out, "--trainer.devices=2", "--trainer.strategy=fsdp2", "--trainer.max_steps=1",
+                   "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
+                   f"--model.retriever.init_args.index_path={index}", "--model.retriever.init_args.corpus=null")
+    _, rows = cli.model.retriever.search(["a physician born in 1868"], 4)
+    record = {"mapped": str(index / INDEX_FILE) in Path("/proc/self/maps").read_text(),
+              "steps": cli.trainer.global_step, "rows": rows.tolist()}
+    (out / f"rank{cli.trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    _two_process_fit(Path(sys.argv[1]), Path(sys.argv[2]))

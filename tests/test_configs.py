@@ -28,6 +28,7 @@ TINY = [
     "--model.policy.init_args.gradient_checkpointing=false",
     "--model.retriever.init_args.encoder=tiny-bert",
     "--model.retriever.init_args.corpus=world",
+    "--model.retriever.init_args.index_path=null",
     "--trainer.accelerator=cpu",
     "--trainer.devices=1",
     "--trainer.strategy=auto",

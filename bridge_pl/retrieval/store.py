@@ -1,9 +1,9 @@
 """On-disk corpus stores read by offset, so that no process holds the corpus in memory.
 
 - :class:`PassageStore`: the passages as one JSON-lines file ``[id, title, text]`` per line plus an ``int64``
-  offsets file ``[N + 1]`` (byte where row ``i`` starts; the last entry is the file size). Both are
-  memory-mapped: reading row ``i`` touches only that line's pages, which every process opening the same
-  files shares through the page cache.
+  offsets file ``[N + 1]`` (byte where row ``i`` starts; the last entry is the file size). Row ``i`` is read
+  by offset (``pread``): only that line is read, through the page cache that every process opening the same
+  files shares.
 - :class:`EmbeddingStore`: the passage embeddings ``[N, D]`` as float16, in shards of ``chunk_rows`` rows
   (``emb-00000.f16``, raw little-endian, no header). Rows are read with ``pread`` (a few per query), so
   nothing is mapped into the process and its resident memory does not grow with the rows it has read.
@@ -15,7 +15,6 @@ see :func:`bridge_pl.retrieval.index.write_verified`) are checked by the build (
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -60,7 +59,11 @@ def _require_file(path: Path, what: str) -> None:
 
 
 class PassageStore(Sequence[Passage]):
-    """Row-addressed passages read from a store written by :func:`write_passage_store` (memory-mapped).
+    """Row-addressed passages read from a store written by :func:`write_passage_store`, by offset.
+
+    Each row costs two ``pread`` calls (its two offsets, then its line): the process keeps no copy and maps
+    nothing, so its resident memory does not grow with the rows read (a mapped file would bring in 64 KiB
+    around each random read, Linux's fault-around); the page cache shares what was read between processes.
 
     Args:
         folder: the store's folder.
@@ -74,29 +77,42 @@ class PassageStore(Sequence[Passage]):
         _require_file(self.path, "the passage text store")
         _require_file(offsets_path, "the passage offsets file")
         try:
-            self._offsets = np.load(offsets_path, mmap_mode="r")
+            with open(offsets_path, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+                self._data_start = f.tell()
         except (ValueError, OSError) as error:
-            raise StoreError(f"{offsets_path}: unreadable or truncated offsets file ({error})") from None
-        if self._offsets.ndim != 1 or len(self._offsets) < 1:
-            raise StoreError(f"{offsets_path}: expected a 1-D int64 array of N + 1 offsets")
-        if rows is not None and len(self._offsets) != rows + 1:
-            raise StoreError(f"{offsets_path}: holds {len(self._offsets) - 1} rows, the manifest says {rows}")
-        size = self.path.stat().st_size
-        if int(self._offsets[-1]) != size:
-            raise StoreError(f"{self.path}: {size} bytes, the offsets say {int(self._offsets[-1])} "
-                             "(truncated or replaced); rebuild it with `bridge-pl index build`")
-        self._file = open(self.path, "rb")  # noqa: SIM115 - held for the mapping's lifetime
-        self._text = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            raise StoreError(f"{offsets_path}: unreadable offsets file ({error})") from None
+        if dtype != np.dtype("<i8") or len(shape) != 1 or shape[0] < 1:
+            raise StoreError(f"{offsets_path}: expected a 1-D int64 array of N + 1 offsets, got {dtype} {shape}")
+        self._rows = shape[0] - 1
+        if rows is not None and self._rows != rows:
+            raise StoreError(f"{offsets_path}: holds {self._rows} rows, the manifest says {rows}")
+        if offsets_path.stat().st_size != self._data_start + 8 * shape[0]:
+            raise StoreError(f"{offsets_path}: {offsets_path.stat().st_size} bytes, expected "
+                             f"{self._data_start + 8 * shape[0]} (truncated); rebuild it with `bridge-pl index build`")
+        self._offsets_fd = os.open(offsets_path, os.O_RDONLY)
+        self._text_fd = os.open(self.path, os.O_RDONLY)
+        size, end = self.path.stat().st_size, int(self._offsets(self._rows, 1)[0])
+        if end != size:
+            raise StoreError(f"{self.path}: {size} bytes, the offsets say {end} (truncated or replaced); "
+                             "rebuild it with `bridge-pl index build`")
+
+    def _offsets(self, row: int, count: int) -> np.ndarray:
+        raw = os.pread(self._offsets_fd, 8 * count, self._data_start + 8 * row)
+        return np.frombuffer(raw, dtype="<i8")
 
     def __len__(self) -> int:
-        return len(self._offsets) - 1
+        return self._rows
 
     def _row(self, row: int) -> Passage:
         if not -len(self) <= row < len(self):
             raise IndexError(f"passage row {row} out of range for a store of {len(self)}")
         row %= len(self)
-        start, end = int(self._offsets[row]), int(self._offsets[row + 1])
-        ident, title, text = json.loads(self._text[start:end])
+        start, end = (int(x) for x in self._offsets(row, 2))
+        ident, title, text = json.loads(os.pread(self._text_fd, end - start, start))
         return Passage(ident, title, text)
 
     @overload
@@ -112,8 +128,13 @@ class PassageStore(Sequence[Passage]):
     def __iter__(self) -> Iterator[Passage]:
         return (self._row(i) for i in range(len(self)))
 
-    def __reduce__(self):  # copies and pickles reopen the files (a mapping cannot be copied)
+    def __reduce__(self):  # copies and pickles reopen the files
         return type(self), (self.path.parent, len(self))
+
+    def __del__(self) -> None:
+        for name in ("_offsets_fd", "_text_fd"):
+            if (fd := self.__dict__.pop(name, None)) is not None:
+                os.close(fd)
 
 
 def shard_path(folder: str | Path, shard: int) -> Path:

@@ -4,6 +4,7 @@ training with a prebuilt ``ivf_pq`` index, and two fsdp2 processes sharing one i
 The 2-process fit runs this file as a script (Lightning re-launches it as rank 1), as tests/test_fsdp2.py does.
 """
 
+import io
 import json
 import os
 import signal
@@ -20,8 +21,8 @@ from helpers import fit_tiny
 from bridge_pl.cli import main
 from bridge_pl.data.packaged import wikipedia_corpus
 from bridge_pl.data.qa import Passage, write_corpus
-from bridge_pl.retrieval.built_index import INDEX_FILE, BuiltIndex
-from bridge_pl.retrieval.index import DenseIndex, topk_overlap
+from bridge_pl.retrieval.built_index import INDEX_FILE, BuiltIndex, Progress
+from bridge_pl.retrieval.index import DenseIndex, default_nlist, default_pq_m, topk_overlap
 from bridge_pl.retrieval.store import (
     EmbeddingStore,
     PassageStore,
@@ -132,6 +133,20 @@ def test_packaged_wikipedia_text_round_trips_and_an_opq_index_opens_memory_mappe
     scores, rows = built.search(q, 5, rerank_factor=8)
     assert rows.shape == (10, 5) and bool((rows >= 0).all()) and bool((scores[:, :-1] >= scores[:, 1:]).all())
     torch.testing.assert_close(scores, (q.unsqueeze(1) * built.rows(rows)).sum(-1))  # exact float16-row scores
+
+
+def test_default_ivf_pq_sizes():
+    assert [default_pq_m(d) for d in (768, 384, 32, 7)] == [96, 48, 4, 1]
+    assert [default_nlist(n) for n in (10_000, 1_000_000, 20)] == [256, 4000, 1]  # 4 sqrt(N), at most N // 39
+
+
+def test_progress_without_a_terminal_prints_plain_lines_with_an_eta():
+    stream = io.StringIO()
+    bar = Progress(100, "encode passages", "psg", stream=stream, every_s=0.0)
+    bar.skip(20)  # done by an earlier run: not in the rate
+    bar.update(20)
+    assert stream.getvalue().startswith("encode passages: 40/100 psg (40.0%), ")
+    assert bar.line(elapsed=4.0) == "encode passages: 40/100 psg (40.0%), 5.0 psg/s, ETA 00:00:12"
 
 
 def test_ivf_pq_with_exact_rescoring_finds_the_exact_top_10():

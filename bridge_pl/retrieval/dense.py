@@ -174,8 +174,9 @@ class DenseRetriever(Retriever):
         index_path: a folder written by ``bridge-pl index build``: passages, float16 embeddings and the FAISS
             index are read from disk (the index memory-mapped, the stores by offset; processes share the pages)
             instead of built here; ``index`` is then ignored and ``index_options`` may only set ``nprobe`` /
-            ``ef_search``. With a frozen passage tower, search rescores ``rerank_factor * k`` index candidates exactly from the float16 rows (one
-            candidate per result for a flat index), so search and :meth:`score` give the same numbers.
+            ``ef_search``. With a frozen passage tower, search rescores ``rerank_factor * k`` index candidates
+            exactly from the float16 rows (one candidate per result for a flat index), so search and
+            :meth:`score` give the same numbers.
         max_query_length / max_passage_length: tokenizer truncation, in tokens.
         batch_size: passages per forward pass when encoding the corpus.
         cache_dir: where passage embeddings (and non-flat indexes) are cached, keyed by

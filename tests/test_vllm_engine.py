@@ -116,7 +116,8 @@ def test_both_engines_write_the_same_trajectories(scripted, engines):
         for field in ("prompt_index", "prompt_ids", "response_ids", "action_mask", "response_text", "turns",
                       "valid_actions", "invalid_actions", "finished"):
             assert getattr(a, field) == getattr(b, field), field
-        assert [(c.query, c.turn, c.position) for c in a.searches] == [(c.query, c.turn, c.position) for c in b.searches]
+        calls = [[(c.query, c.turn, c.position) for c in traj.searches] for traj in (a, b)]
+        assert calls[0] == calls[1]
         assert len(a.sampler_logprobs) == len(b.sampler_logprobs) == len(a.response_ids)
         gaps = [abs(x - y) for x, y in zip(a.sampler_logprobs, b.sampler_logprobs, strict=True)]
         assert max(gaps) < 1e-3

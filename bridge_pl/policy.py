@@ -331,11 +331,16 @@ class Policy(nn.Module):
         changed), every other weight as it is (a view). Full fine-tuning: the weights as they are.
 
         Raises:
-            ValueError: adapters that cannot be merged into a plain weight (see :meth:`generation_model`), or
-                sharded (FSDP2) weights.
+            ValueError: adapters that cannot be merged into a plain weight (see :meth:`generation_model`),
+                trained embeddings tied to the LM head, or sharded (FSDP2) weights.
         """
         if is_sharded(self.model):
             raise ValueError("generation weights of a sharded (fsdp2) policy are not gathered here")
+        hf = self.hf_model
+        if getattr(hf.config, "tie_word_embeddings", False) and hf.get_input_embeddings().weight.requires_grad:
+            # vLLM reloads the embeddings but keeps its LM head's old copy of them
+            raise ValueError("the policy trains input embeddings tied to its LM head, which a weight push into an "
+                             "inference engine does not follow: use data.engine=hf")
         merged: dict[str, nn.Module] = {}
         if self.lora:
             layers = self._plain_lora_layers()

@@ -83,6 +83,9 @@ def test_generation_weights_refuse_adapters_that_do_not_merge(tmp_path):
     policy = Policy("tiny-llama", dtype="float32", adapter=str(tmp_path / "adapter"))
     with pytest.raises(ValueError, match="data.engine=hf"):
         dict(policy.generation_weights())
+    tied = Policy("tiny-llama", dtype="float32", lora=False)  # full fine-tuning trains the tied embeddings
+    with pytest.raises(ValueError, match="tied to its LM head"):
+        dict(tied.generation_weights())
 
 
 def test_a_bfloat16_base_gets_the_float32_sum_rounded_once_even_under_autocast():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -237,3 +238,20 @@ def test_smollm2_greedy_agrees_with_hf():
         vllm.close()
     assert [t.response_ids for t in a] == [t.response_ids for t in b]
     assert [t.searches and t.searches[0].query for t in a] == [t.searches and t.searches[0].query for t in b]
+
+
+def test_auto_falls_back_to_hf_where_vllm_cannot_run(tmp_path):
+    module, data = tiny_module(tmp_path, "--data.engine=auto")  # tiny-llama: heads of 16, below vLLM's CPU kernels
+    env = SearchEnv(data.env_config, module.policy.tokenizer)
+    with pytest.warns(UserWarning, match="vLLM could not run this policy"):
+        assert isinstance(data._build_engine(env, module.policy), RolloutEngine)
+
+
+def test_runs_of_several_processes_generate_with_hf(tmp_path):
+    module, data = tiny_module(tmp_path, "--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=auto")
+    data.trainer = SimpleNamespace(world_size=2, global_rank=0)  # what _build_engine reads of a 2-process trainer
+    env = SearchEnv(data.env_config, module.policy.tokenizer)
+    assert isinstance(data._build_engine(env, module.policy), RolloutEngine)
+    data.engine_name = "vllm"
+    with pytest.raises(ValueError, match="data.engine=vllm runs in one process; this run has 2"):
+        data._build_engine(env, module.policy)

@@ -377,6 +377,7 @@ class RolloutDataModule(L.LightningDataModule):
         try:
             engine.sync(policy)
         except Exception as error:
+            engine.close()
             if self.engine_name == "vllm":
                 raise
             rank_zero_warn(f"data.engine=auto: vLLM could not run this policy ({type(error).__name__}: "

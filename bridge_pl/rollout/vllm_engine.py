@@ -118,6 +118,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
         self.config = config or VLLMConfig()
         self.seed = seed
         self.llm = None
+        self._started = False  # an engine was (being) built: vLLM's process group may exist
         self.synced: str | None = None  # weights_digest of what the engine holds
         self.syncs = 0
 
@@ -131,8 +132,10 @@ class VLLMRolloutEngine(MultiTurnEngine):
         cfg = self.config
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-request INFO lines would bury the run's
         hf_config = policy.hf_model.config
         max_len = cfg.max_model_len or min(getattr(hf_config, "max_position_embeddings", 8192), 8192)
+        self._started = True
         with _process_state_kept():
             from vllm import LLM
 
@@ -142,6 +145,11 @@ class VLLMRolloutEngine(MultiTurnEngine):
                 max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
             )
+            # one token now: kernels that cannot run this model (e.g. CPU attention below 32-wide heads) fail here
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            self.llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
         log.info("vLLM engine built from %s (%s)", hf_config.name_or_path, policy.weight_dtype)
 
     def sync(self, policy) -> bool:
@@ -163,11 +171,11 @@ class VLLMRolloutEngine(MultiTurnEngine):
     def close(self) -> None:
         """Free the engine (its weights and KV cache) and the one-process group vLLM set up; the next rollout
         builds a new one."""
-        if self.llm is None:
+        if not self._started:
             return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        self.llm, self.synced = None, None
+        self.llm, self.synced, self._started = None, None, False
         cleanup_dist_env_and_memory()
 
     # ---- rollouts -------------------------------------------------------------------------------
@@ -206,7 +214,10 @@ class _VLLMDecoder:
 
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in self.rows]
         params = [self._params(b) for b in budgets]
-        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator)) if not self.greedy else 0
+        seed = 0
+        if not self.greedy:
+            device = self.generator.device if self.generator is not None else "cpu"
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device))
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)

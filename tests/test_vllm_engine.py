@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import shutil
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -180,6 +181,31 @@ def test_a_lora_step_reaches_the_engine_and_only_then_it_syncs(tiny):
     assert [t.response_ids for t in after] != [t.response_ids for t in before]
     assert [t.response_ids for t in after] == [t.response_ids for t in hf.rollout(policy, prompts, search,
                                                                                   greedy=True)]
+
+
+def test_adapter_sync_serves_the_trained_lora_over_the_base(scripted):
+    """``weight_sync: adapter``: the adapter alone reaches the engine (a LoRARequest), and samples as the merged
+    weights do."""
+    _, env, _ = scripted
+    kwargs = dict(max_turns=1, max_new_tokens_per_turn=8, max_response_tokens=100)
+    policy = Policy(model="tiny-llama-hd32", dtype="float32", lora_r=4)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    tok = policy.tokenizer
+    prompts = [tok.encode("Who wrote Hamlet?"), tok.encode("The capital of France is")]
+    engine = VLLMRolloutEngine(env, **kwargs, config=replace(SMALL, weight_sync="adapter"))
+    try:
+        served = engine.rollout(policy, prompts, search, greedy=True)
+        assert engine.adapter is not None and engine.syncs == 1
+    finally:
+        engine.close()
+    expected = RolloutEngine(env, **kwargs).rollout(policy, prompts, search, greedy=True)
+    assert [t.response_ids for t in served] == [t.response_ids for t in expected]
+    with pytest.raises(ValueError, match="needs a LoRA policy"):
+        VLLMRolloutEngine(env, config=replace(SMALL, weight_sync="adapter"))._adapter_sync(
+            Policy(model="tiny-llama-hd32", dtype="float32", lora=False))
 
 
 VLLM_TINY = ("--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=vllm", "--data.vllm.kv_cache_gb=1",

@@ -24,16 +24,24 @@ import hashlib
 import logging
 import os
 import random
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 
+from bridge_pl.config import require_choice
 from bridge_pl.distributed import is_sharded
 from bridge_pl.rollout.engine import MultiTurnEngine, SampledTurn, SearchFn, Trajectory, eos_token_ids
 
 log = logging.getLogger(__name__)
+
+
+WeightSync = Literal["auto", "merged", "adapter"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,10 @@ class VLLMConfig:
             eager execution (starts in seconds).
         max_model_len: longest sequence (prompt + response) in tokens; None: the model's own limit, at most 8192.
         max_num_seqs: sequences vLLM schedules in one step at most.
+        weight_sync: how the policy reaches the engine: ``merged`` (the base weights with the LoRA deltas merged
+            in, pushed in place), ``adapter`` (the LoRA adapter alone, saved to a temporary folder and served as a
+            vLLM ``LoRARequest`` over the unchanged base; LoRA policies only), or ``auto`` (default): ``adapter``
+            for a LoRA policy on CUDA, else ``merged`` (vLLM's CPU LoRA kernels sample several times slower).
     """
 
     kv_cache_gb: int = 2
@@ -56,8 +68,10 @@ class VLLMConfig:
     compile: bool = False
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    weight_sync: WeightSync = "auto"
 
     def __post_init__(self) -> None:
+        require_choice("data.vllm.weight_sync", self.weight_sync, WeightSync)
         if self.kv_cache_gb < 1:
             raise ValueError(f"data.vllm.kv_cache_gb must be >= 1 (GiB), got {self.kv_cache_gb}")
         if not 0 < self.gpu_memory_utilization < 1:
@@ -128,6 +142,8 @@ class VLLMRolloutEngine(MultiTurnEngine):
         self._started = False  # an engine was (being) built: vLLM's process group may exist
         self.synced: str | None = None  # weights_digest of what the engine holds
         self.syncs = 0
+        self.adapter: object | None = None  # the LoRARequest every request names (adapter sync), else None
+        self._adapter_dir: Path | None = None
 
     # ---- the engine and its weights -------------------------------------------------------------
     def _build(self, policy) -> None:
@@ -141,6 +157,15 @@ class VLLMRolloutEngine(MultiTurnEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
         hf_config = policy.hf_model.config
         max_len = cfg.max_model_len or min(getattr(hf_config, "max_position_embeddings", 8192), 8192)
+        self.sync_adapter = self._adapter_sync(policy)
+        lora = {}
+        if self.sync_adapter:
+            (peft_config,) = policy.model.peft_config.values()
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM sizes its LoRA buffers for
+            rank = next((r for r in ranks if r >= peft_config.r), None)
+            if rank is None:
+                raise ValueError(f"vLLM serves LoRA ranks up to {ranks[-1]}; policy.lora_r is {peft_config.r}")
+            lora = dict(enable_lora=True, max_loras=1, max_lora_rank=rank)
         self._started = True
         with _process_state_kept():
             from vllm import LLM
@@ -149,7 +174,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
                 model=hf_config.name_or_path, dtype=str(policy.weight_dtype).removeprefix("torch."), seed=self.seed,
                 enable_prefix_caching=True, enforce_eager=not cfg.compile, logprobs_mode="processed_logprobs",
                 max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
-                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                gpu_memory_utilization=cfg.gpu_memory_utilization, **lora,
             )
             # one token now: kernels that cannot run this model (e.g. CPU attention below 32-wide heads) fail here
             from vllm import SamplingParams
@@ -157,6 +182,24 @@ class VLLMRolloutEngine(MultiTurnEngine):
 
             self.llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
         log.info("vLLM engine built from %s (%s)", hf_config.name_or_path, policy.weight_dtype)
+
+    def _adapter_sync(self, policy) -> bool:
+        """Whether weights reach the engine as a LoRA adapter (see :class:`VLLMConfig`'s ``weight_sync``)."""
+        mode = self.config.weight_sync
+        if mode == "auto":
+            return policy.lora and torch.cuda.is_available()
+        if mode == "adapter" and not policy.lora:
+            raise ValueError("data.vllm.weight_sync=adapter needs a LoRA policy (policy.lora=true)")
+        return mode == "adapter"
+
+    def _push_adapter(self, policy) -> None:
+        """Save the policy's adapter to this engine's folder and name it in every request from now on."""
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_dir is None:
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix="bridge_pl_vllm_adapter_"))
+        policy.save_adapter(self._adapter_dir)
+        self.adapter = LoRARequest("policy", 1, str(self._adapter_dir), load_inplace=True)
 
     def sync(self, policy) -> bool:
         """Push the policy's generation weights into the engine if its trained parameters changed since the
@@ -169,7 +212,10 @@ class VLLMRolloutEngine(MultiTurnEngine):
         digest = weights_digest(policy)
         if digest == self.synced:
             return False
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy.generation_weights()})
+        if self.sync_adapter:
+            self._push_adapter(policy)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy.generation_weights()})
         self.llm.reset_prefix_cache()
         self.synced, self.syncs = digest, self.syncs + 1
         return True
@@ -181,8 +227,11 @@ class VLLMRolloutEngine(MultiTurnEngine):
             return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        self.llm, self.synced, self._started = None, None, False
+        self.llm, self.synced, self._started, self.adapter = None, None, False, None
         cleanup_dist_env_and_memory()
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
 
     # ---- rollouts -------------------------------------------------------------------------------
     def rollout(self, policy, prompts, search_fn: SearchFn, n_samples: int = 1, greedy: bool = False,
@@ -227,7 +276,7 @@ class _VLLMDecoder:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            outputs = self.engine.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.engine.llm.generate(requests, params, use_tqdm=False, lora_request=self.engine.adapter)
         self.last = []
         for out in outputs:
             sample = out.outputs[0]

@@ -103,6 +103,12 @@ def newest_first(folder: Path) -> list[Path]:
     return sorted(files, key=lambda p: (p.name.startswith("last"), _step_of(p), p.stat().st_mtime), reverse=True)
 
 
+def is_named(spec: str) -> bool:
+    """Whether ``--ckpt_path spec`` is one of Lightning's names (``last``, ``best``, ``hpc``, ``registry...``)
+    rather than a path."""
+    return spec in ("last", "best", "hpc") or spec.startswith("registry")
+
+
 def resolve_checkpoint(spec: str | None, folder: Path) -> tuple[str | None, list[str]]:
     """``(path to load, warnings)`` for ``--ckpt_path spec``; ``folder`` holds the run's checkpoints.
 
@@ -114,7 +120,7 @@ def resolve_checkpoint(spec: str | None, folder: Path) -> tuple[str | None, list
         CheckpointError: ``spec`` names a file that is missing, damaged or not a checkpoint, or ``last`` finds only
             damaged checkpoints.
     """
-    if spec is None or spec in ("best", "hpc") or spec.startswith("registry"):
+    if spec is None or (is_named(spec) and spec != "last"):
         return spec, []
     if spec != "last":
         if problem := checkpoint_problem(spec):
@@ -146,7 +152,8 @@ def fit_problem(path: str | Path, module: torch.nn.Module, run_config: Mapping[s
     content = _read(Path(path))
     own = module.state_dict()
     mismatched = [(name, tuple(t.shape), tuple(own[name].shape)) for name, t in content.get("state_dict", {}).items()
-                  if name in own and tuple(t.shape) != tuple(own[name].shape)]
+                  if isinstance(t, torch.Tensor) and isinstance(own.get(name), torch.Tensor)
+                  and t.shape != own[name].shape]
     if not mismatched:
         return None
     saved = content.get(CONFIG_KEY) or {}

@@ -20,7 +20,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from bridge_pl.bilevel import make_solver
-from bridge_pl.checkpoint_io import AtomicCheckpointIO, fit_problem, flat_model_config, resolve_checkpoint
+from bridge_pl.checkpoint_io import (
+    AtomicCheckpointIO,
+    fit_problem,
+    flat_model_config,
+    is_named,
+    resolve_checkpoint,
+)
 from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
 from bridge_pl.data.datamodule import DATA_RULES, RolloutDataModule, data_problems
 from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
@@ -34,6 +40,22 @@ _HELD_LOCKS: list[RunLock] = []  # run-directory locks this process holds (relea
 
 def _warn(message: str) -> None:
     sys.stderr.write(f"bridge-pl: warning: {message}\n")
+
+
+def _launching_process() -> bool:
+    """Whether this is the process a user started, not a rank Lightning or a launcher (torchrun, srun) started."""
+    ranks = (os.environ.get(name, "0") for name in ("LOCAL_RANK", "RANK", "NODE_RANK", "SLURM_PROCID"))
+    return all(rank == "0" for rank in ranks)
+
+
+def _lock_run_directory(root: Path) -> None:
+    """Hold ``root``'s run lock until main() returns (a no-op when this process holds it already)."""
+    if any(lock.path.parent == root for lock in _HELD_LOCKS):
+        return
+    lock = RunLock(root)
+    if note := lock.acquire():
+        _warn(note)
+    _HELD_LOCKS.append(lock)
 
 
 def _number_problems(config) -> list[str]:
@@ -87,6 +109,17 @@ class BridgeCLI(LightningCLI):
         problems = config_problems(config)
         if problems:
             self.parser.error("; ".join(problems))
+        root = Path(config.get("trainer.default_root_dir") or os.getcwd())
+        if self.subcommand is not None and root.is_dir() and _launching_process():
+            _lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads an explicit --ckpt_path file here (its hyperparameters): check the file first
+        subcommand = self.config.get("subcommand")
+        spec = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if spec is not None and not is_named(spec):
+            resolve_checkpoint(spec, Path(spec).parent)  # raises CheckpointError naming a damaged or foreign file
+        super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs):
         # When a command runs, data errors surface here, before the trainer (and its run directory) exists:
@@ -128,11 +161,8 @@ class BridgeCLI(LightningCLI):
                 and not config.get("model.policy.init_args.adapter"):
             _warn(f"{self.subcommand} without --ckpt_path or model.policy.init_args.adapter scores the untrained "
                   "weights")
-        if trainer.global_rank == 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            lock = RunLock(trainer.default_root_dir)
-            if note := lock.acquire():
-                _warn(note)
-            _HELD_LOCKS.append(lock)
+        if trainer.global_rank == 0 and _launching_process():
+            _lock_run_directory(Path(trainer.default_root_dir))
         trainer.callbacks.append(StopOnSignal())
 
     def before_fit(self) -> None:

@@ -50,6 +50,7 @@ def _launching_process() -> bool:
 
 def _lock_run_directory(root: Path) -> None:
     """Hold ``root``'s run lock until main() returns (a no-op when this process holds it already)."""
+    root = root.resolve()
     if any(lock.path.parent == root for lock in _HELD_LOCKS):
         return
     lock = RunLock(root)

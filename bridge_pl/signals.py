@@ -32,22 +32,41 @@ class StopOnSignal(pl.Callback):
         self._trainer: pl.Trainer | None = None
         self._previous: dict[int, object] = {}
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # before Lightning registers its SIGTERM handler, which then calls this one after its own
+    def _install(self, trainer: pl.Trainer) -> None:
+        # after Lightning registers its SIGTERM handler (which this one calls), so that Lightning's teardown
+        # restores the handlers from before both
+        if self._previous:
+            return
         self._trainer = trainer
         for signum in _HANDLED:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handle)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, handler)
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.signum is not None:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.signum = self.signum or signum
+        previous = self._previous.get(signum)
+        if signum == signal.SIGTERM and callable(previous):
+            previous(signum, frame)  # Lightning's: stops the processes it launched, tells the other ranks
         if self._trainer is not None:
             self._trainer._signal_connector.received_sigterm = True  # Lightning's own stop at the batch boundary
 
@@ -61,6 +80,7 @@ class StopOnSignal(pl.Callback):
             trainer.save_checkpoint(self.saved)
 
     def on_exception(self, trainer: pl.Trainer, pl_module, exception: BaseException) -> None:
+        self._restore()  # Lightning skips the callbacks' teardown after an exception
         if isinstance(exception, SIGTERMException):
             exception.signum = self.signum or signal.SIGTERM
             exception.checkpoint = self.saved or self._newest_whole(trainer)

@@ -28,7 +28,7 @@ from bridge_pl.checkpoint_io import (
     resolve_checkpoint,
 )
 from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
-from bridge_pl.data.datamodule import DATA_RULES, RolloutDataModule, data_problems
+from bridge_pl.data.datamodule import DATA_RULES, RolloutDataModule, data_problems, read_stage_sources
 from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
 from bridge_pl.module import BridgeModule
 from bridge_pl.run_lock import RunLock
@@ -113,6 +113,8 @@ class BridgeCLI(LightningCLI):
         root = Path(config.get("trainer.default_root_dir") or os.getcwd())
         if self.subcommand is not None and root.is_dir() and _launching_process():
             _lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
+        if self.subcommand is not None and config.get("data") is not None:  # QA sets checked before models load
+            self._qa_sets = read_stage_sources(self.subcommand, config.get("data"))
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads an explicit --ckpt_path file here (its hyperparameters): check the file first
@@ -123,10 +125,10 @@ class BridgeCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs):
-        # When a command runs, data errors surface here, before the trainer (and its run directory) exists:
-        # the QA sets the command reads, and the retriever's corpus (read lazily otherwise).
+        # When a command runs, data errors surface before the trainer (and its run directory) exists: the QA sets
+        # the command reads (read before the models load), and the retriever's corpus (read lazily otherwise).
         if self.subcommand is not None and isinstance(self.datamodule, RolloutDataModule):
-            self.datamodule.load_sources(self.subcommand)
+            self.datamodule.load_sources(self.subcommand, getattr(self, "_qa_sets", None))
         if self.subcommand is not None and isinstance(self.model, BridgeModule):
             self.model.retriever.passages  # noqa: B018 - the property reads and checks the corpus
         trainer = super().instantiate_trainer(**kwargs)

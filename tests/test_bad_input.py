@@ -142,6 +142,7 @@ def test_a_training_batch_larger_than_the_training_set_is_named(tmp_path, capfd)
     path = _jsonl(tmp_path / "qa.jsonl", QA, {**QA, "id": "b"})
     text = _run(tmp_path, capfd, "--config", TINY, f"--data.train={path}", "--data.batch_size=3")
     assert f"data.batch_size (3) is larger than the training set {path} (2 examples)" in text
+    assert "Loading weights" not in text
 
 
 def _jsonl(path, *rows) -> str:
@@ -165,7 +166,8 @@ QA_CASES = {
 @pytest.mark.parametrize("rows, message", QA_CASES.values(), ids=QA_CASES.keys())
 def test_a_bad_qa_file_is_named_with_line_and_field(tmp_path, capfd, rows, message):
     path = _jsonl(tmp_path / "qa.jsonl", *rows)
-    assert path + message in _run(tmp_path, capfd, "--config", TINY, f"--data.train={path}")
+    text = _run(tmp_path, capfd, "--config", TINY, f"--data.train={path}")
+    assert path + message in text and "Loading weights" not in text  # QA sets are read before the models load
 
 
 def test_a_non_utf8_qa_file_is_named_with_its_line(tmp_path, capfd):

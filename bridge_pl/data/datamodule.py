@@ -88,6 +88,39 @@ def data_problems(values: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+DEFAULT_VAL = {"world_dev": "world/dev"}
+DEFAULT_TEST = {"world_test": "world/test"}
+
+
+def _source_key(source: QASpec) -> str:
+    return source if isinstance(source, str) else f"<inline list {id(source)}>"
+
+
+def read_stage_sources(stage: str, data: Mapping[str, Any], known: Mapping[str, list[QAExample]] | None = None,
+                       ) -> dict[str, list[QAExample]]:
+    """Read (and so check) every QA set ``stage`` reads, by source key, from the datamodule's settings ``data``
+    (``train``, ``val``, ``test``, ``batch_size``, ``type_mixture``; unset val/test: the defaults); sets in
+    ``known`` are not read again. For ``fit``, a ``data.batch_size`` larger than the training set is an error.
+
+    Raises:
+        DataFormatError: a malformed set (the message names file:line and field); ValueError: the batch size.
+    """
+    val = data.get("val") if data.get("val") is not None else DEFAULT_VAL
+    test = data.get("test") if data.get("test") is not None else DEFAULT_TEST
+    sources = {"fit": [data["train"], *val.values()], "validate": list(val.values())}.get(stage, list(test.values()))
+    sets = dict(known or {})
+    for source in sources:
+        if _source_key(source) not in sets:
+            sets[_source_key(source)] = load_qa(source)
+    if stage == "fit" and data.get("type_mixture") is None:  # a mixture draws with replacement
+        train_size, batch_size = len(sets[_source_key(data["train"])]), data["batch_size"]
+        if batch_size > train_size:
+            name = data["train"] if isinstance(data["train"], str) else "(inline list)"
+            raise ValueError(f"data.batch_size ({batch_size}) is larger than the training set {name} "
+                             f"({train_size} examples)")
+    return sets
+
+
 def policy_text(trajectory: Trajectory, tokenizer) -> str:
     """The text of the tokens the policy generated (observations and env messages left out)."""
     ids = [i for i, m in zip(trajectory.response_ids, trajectory.action_mask) if m]
@@ -222,8 +255,8 @@ class RolloutDataModule(L.LightningDataModule):
         if problems := data_problems(locals()):  # the arguments by name
             raise ValueError("; ".join(problems))
         self.train_source = train
-        self.val_sources = dict(val) if val is not None else {"world_dev": "world/dev"}
-        self.test_sources = dict(test) if test is not None else {"world_test": "world/test"}
+        self.val_sources = dict(val) if val is not None else dict(DEFAULT_VAL)
+        self.test_sources = dict(test) if test is not None else dict(DEFAULT_TEST)
         self.max_eval_examples = max_eval_examples
         self.batch_size, self.n_samples, self.eval_batch_size = batch_size, n_samples, eval_batch_size
         self.filter_groups, self.max_sampling_rounds = filter_groups, max_sampling_rounds
@@ -248,21 +281,18 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ---- data -----------------------------------------------------------------------------------
     def load(self, source: QASpec, limit: int | None = None) -> list[QAExample]:
-        key = source if isinstance(source, str) else f"<inline list {id(source)}>"
+        key = _source_key(source)
         if key not in self._sets:
             self._sets[key] = load_qa(source)
         return self._sets[key][:limit] if limit is not None else self._sets[key]
 
-    def load_sources(self, stage: str) -> None:
-        """Load (and so check) every QA set ``stage`` (``fit``, ``validate``, ``test``, ``predict``) reads."""
-        sources = {"fit": [self.train_source, *self.val_sources.values()], "validate": list(self.val_sources.values())}
-        for source in sources.get(stage, list(self.test_sources.values())):
-            self.load(source)
-        train_size = len(self.load(self.train_source)) if stage == "fit" else None
-        if train_size is not None and self.type_mixture is None and self.batch_size > train_size:
-            name = self.train_source if isinstance(self.train_source, str) else "(inline list)"
-            raise ValueError(f"data.batch_size ({self.batch_size}) is larger than the training set {name} "
-                             f"({train_size} examples)")
+    def load_sources(self, stage: str, preloaded: Mapping[str, list[QAExample]] | None = None) -> None:
+        """Load (and so check) every QA set ``stage`` (``fit``, ``validate``, ``test``, ``predict``) reads;
+        ``preloaded``: sets :func:`read_stage_sources` read already."""
+        self._sets.update(preloaded or {})
+        settings = {"train": self.train_source, "val": self.val_sources, "test": self.test_sources,
+                    "batch_size": self.batch_size, "type_mixture": self.type_mixture}
+        self._sets.update(read_stage_sources(stage, settings, self._sets))
 
     def _stream(self) -> _PromptStream:
         trainer = self.trainer

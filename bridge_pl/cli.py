@@ -35,7 +35,6 @@ from bridge_pl.run_lock import RunLock
 from bridge_pl.signals import StopOnSignal, exit_line
 
 DEBUG_ENV = "BRIDGE_PL_DEBUG"  # set to 1: errors show their Python traceback
-_HELD_LOCKS: list[RunLock] = []  # run-directory locks this process holds (released when main() returns)
 
 
 def _warn(message: str) -> None:
@@ -46,17 +45,6 @@ def _launching_process() -> bool:
     """Whether this is the process a user started, not a rank Lightning or a launcher (torchrun, srun) started."""
     ranks = (os.environ.get(name, "0") for name in ("LOCAL_RANK", "RANK", "NODE_RANK", "SLURM_PROCID"))
     return all(rank == "0" for rank in ranks)
-
-
-def _lock_run_directory(root: Path) -> None:
-    """Hold ``root``'s run lock until main() returns (a no-op when this process holds it already)."""
-    root = root.resolve()
-    if any(lock.path.parent == root for lock in _HELD_LOCKS):
-        return
-    lock = RunLock(root)
-    if note := lock.acquire():
-        _warn(note)
-    _HELD_LOCKS.append(lock)
 
 
 def _number_problems(config) -> list[str]:
@@ -103,7 +91,20 @@ class BridgeCLI(LightningCLI):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)  # two optimizers come from model init args
-        super().__init__(BridgeModule, RolloutDataModule, *args, **kwargs)
+        self._lock: RunLock | None = None
+        self._qa_sets: dict[str, list] | None = None  # the command's QA sets, read while checking the config
+        try:
+            super().__init__(BridgeModule, RolloutDataModule, *args, **kwargs)  # parses, and runs the command
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _lock_run_directory(self, root: Path) -> None:
+        """Hold ``root``'s run lock while the command runs (a no-op once held)."""
+        if self._lock is None:
+            self._lock = RunLock(root)
+            if note := self._lock.acquire():
+                _warn(note)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -112,7 +113,7 @@ class BridgeCLI(LightningCLI):
             self.parser.error("; ".join(problems))
         root = Path(config.get("trainer.default_root_dir") or os.getcwd())
         if self.subcommand is not None and root.is_dir() and _launching_process():
-            _lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
+            self._lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
         if self.subcommand is not None and config.get("data") is not None:  # QA sets checked before models load
             self._qa_sets = read_stage_sources(self.subcommand, config.get("data"))
 
@@ -128,7 +129,7 @@ class BridgeCLI(LightningCLI):
         # When a command runs, data errors surface before the trainer (and its run directory) exists: the QA sets
         # the command reads (read before the models load), and the retriever's corpus (read lazily otherwise).
         if self.subcommand is not None and isinstance(self.datamodule, RolloutDataModule):
-            self.datamodule.load_sources(self.subcommand, getattr(self, "_qa_sets", None))
+            self.datamodule.load_sources(self.subcommand, self._qa_sets)
         if self.subcommand is not None and isinstance(self.model, BridgeModule):
             self.model.retriever.passages  # noqa: B018 - the property reads and checks the corpus
         trainer = super().instantiate_trainer(**kwargs)
@@ -165,7 +166,7 @@ class BridgeCLI(LightningCLI):
             _warn(f"{self.subcommand} without --ckpt_path or model.policy.init_args.adapter scores the untrained "
                   "weights")
         if trainer.global_rank == 0 and _launching_process():
-            _lock_run_directory(Path(trainer.default_root_dir))
+            self._lock_run_directory(Path(trainer.default_root_dir))
         trainer.callbacks.append(StopOnSignal())
 
     def before_fit(self) -> None:
@@ -249,9 +250,7 @@ def main(args: list[str] | None = None) -> None:
         sys.stderr.write(f"bridge-pl: error: {type(error).__name__}: {error}\n"
                          f"(set {DEBUG_ENV}=1 to see the traceback)\n")
         raise SystemExit(1) from None
-    finally:
-        while _HELD_LOCKS:
-            _HELD_LOCKS.pop().release()
+
 
 
 if __name__ == "__main__":

@@ -15,13 +15,15 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
+from bridge_pl.config import require_choice
 from bridge_pl.data.qa import QAExample, QASpec
 from bridge_pl.data.sources import load_qa
 from bridge_pl.distributed import gather_per_rank, this_ranks
@@ -29,8 +31,9 @@ from bridge_pl.policy import BranchedSequence
 from bridge_pl.rewards import ExactMatchReward, RewardFunction, extract_answer
 from bridge_pl.rollout.agent import RolloutAgent
 from bridge_pl.rollout.batch import RolloutBatch
-from bridge_pl.rollout.engine import RolloutEngine, Trajectory
+from bridge_pl.rollout.engine import MultiTurnEngine, RolloutEngine, Trajectory
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
+from bridge_pl.rollout.vllm_engine import VLLMConfig, VLLMRolloutEngine, vllm_available
 from bridge_pl.seeding import derive_seed
 
 # {think}, {search}, {information}, {answer}: the env's tag names (data.env); {question}: the question.
@@ -119,6 +122,9 @@ def read_stage_sources(stage: str, data: Mapping[str, Any], known: Mapping[str, 
             raise ValueError(f"data.batch_size ({batch_size}) is larger than the training set {name} "
                              f"({train_size} examples)")
     return sets
+
+
+Engine = Literal["auto", "hf", "vllm"]
 
 
 def policy_text(trajectory: Trajectory, tokenizer) -> str:
@@ -214,6 +220,10 @@ class RolloutDataModule(L.LightningDataModule):
         batch_size: prompts per training iteration; ``n_samples`` trajectories each (a GRPO group).
         eval_batch_size: prompts per evaluation batch (greedy, one trajectory each).
         max_turns, max_new_tokens_per_turn, max_response_tokens, temperature, top_p: rollout settings.
+        engine: the generation backend: ``hf`` (bridge-pl's own KV-cached decode loop), ``vllm`` (an in-process
+            vLLM engine, weights synced before each rollout; one process only), or ``auto`` (default): vLLM where
+            it imports, the run has one process and the engine builds for the policy, else ``hf`` (logged).
+        vllm: settings of the vLLM backend (:class:`~bridge_pl.rollout.vllm_engine.VLLMConfig`).
         filter_groups: DAPO dynamic sampling: train only on groups whose rewards differ (the others have
             GRPO advantage 0), refilling from fresh prompts; ``max_sampling_rounds`` bounds the rollouts per
             iteration (1: filter without refilling). See :meth:`_sample_groups`.
@@ -242,6 +252,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_response_tokens: int = 512,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        engine: Engine = "auto",
+        vllm: VLLMConfig = VLLMConfig(),
         filter_groups: bool = False,
         max_sampling_rounds: int = 1,
         type_mixture: dict[str, float] | None = None,
@@ -265,12 +277,13 @@ class RolloutDataModule(L.LightningDataModule):
             max_turns=max_turns, max_new_tokens_per_turn=max_new_tokens_per_turn,
             max_response_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
         )
+        self.engine_name, self.vllm_config = require_choice("data.engine", engine, Engine), vllm
         self.env_config = env or EnvConfig()
         self.reward = reward or ExactMatchReward()
         self.instruction, self.use_chat_template, self._seed = instruction, use_chat_template, seed
         self.consumed = 0  # training batches generated so far (the resumable data position)
         self._sets: dict[str, list[QAExample]] = {}
-        self._engine: RolloutEngine | None = None
+        self._engine: MultiTurnEngine | None = None
         self._generator: torch.Generator | None = None
         self._generator_state: torch.Tensor | None = None  # restored from a checkpoint, applied lazily
 
@@ -318,6 +331,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> list[DataLoader]:
         return self._eval_loaders(self.test_sources)
+
+    def teardown(self, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.close()
 
     def state_dict(self) -> dict:
         """The data position and the sampling generator's state (saved in checkpoints)."""
@@ -410,18 +427,42 @@ class RolloutDataModule(L.LightningDataModule):
         policy = module.policy
         tokenizer = policy.tokenizer
         if self._engine is None:
-            self._engine = RolloutEngine(SearchEnv(self.env_config, tokenizer), **self.engine_args)
+            self._engine = self._build_engine(SearchEnv(self.env_config, tokenizer), policy)
             self._generator = torch.Generator(device=module.device).manual_seed(
                 derive_seed(self.seed, "rollout", self.trainer.global_rank if self.trainer else 0)
             )
             if self._generator_state is not None:
                 self._generator.set_state(self._generator_state)
-        with policy.generation_model() as model:
-            return self._engine.generate(
-                model, tokenizer, [self.prompt_ids(tokenizer, ex.question) for ex in examples],
-                search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
-                n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
-            )
+        return self._engine.rollout(
+            policy, [self.prompt_ids(tokenizer, ex.question) for ex in examples],
+            search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
+            n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
+        )
+
+    def _build_engine(self, env: SearchEnv, policy) -> MultiTurnEngine:
+        """The ``data.engine`` backend; ``auto`` tries vLLM (one process, where it imports) and falls back to hf."""
+        name = self.engine_name
+        single = self.trainer is None or self.trainer.world_size == 1
+        if name == "auto" and not (single and vllm_available()):
+            name = "hf"
+        if name == "hf":
+            rank_zero_info("data.engine: rollouts generate with bridge-pl's own decode loop (hf)")
+            return RolloutEngine(env, **self.engine_args)
+        if not single:
+            raise ValueError(f"data.engine=vllm runs in one process; this run has {self.trainer.world_size} "
+                             "(use data.engine=hf)")
+        engine = VLLMRolloutEngine(env, **self.engine_args, config=self.vllm_config, seed=self.seed)
+        try:
+            engine.sync(policy)
+        except Exception as error:
+            engine.close()
+            if self.engine_name == "vllm":
+                raise
+            rank_zero_warn(f"data.engine=auto: vLLM could not run this policy ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}); generating with hf")
+            return RolloutEngine(env, **self.engine_args)
+        rank_zero_info("data.engine: rollouts generate with vLLM (in process)")
+        return engine
 
     def _score(self, module: RolloutAgent, trajectories: list[Trajectory], per_traj: list[QAExample]
     ) -> list[tuple[str | None, float]]:

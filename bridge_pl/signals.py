@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shlex
 import signal
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -61,8 +62,9 @@ class StopOnSignal(pl.Callback):
         self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
-        if signum == signal.SIGINT and self.signum is not None:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        if signum == signal.SIGINT and self.signum is not None:  # a second Ctrl-C: stop now
+            sys.stderr.write("bridge-pl: interrupted again (Ctrl-C): stopped at once, nothing more was saved\n")
+            raise SystemExit(128 + signum)
         self.signum = self.signum or signum
         previous = self._previous.get(signum)
         if signum == signal.SIGTERM and callable(previous):

@@ -173,3 +173,26 @@ def test_validate_without_a_checkpoint_warns_that_it_scores_untrained_weights(tm
     main(["validate", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
           f"--ckpt_path={uninterrupted / 'checkpoints' / 'last.ckpt'}"])
     assert "untrained" not in capfd.readouterr().err
+
+
+def test_last_takes_the_newest_whole_checkpoint_and_refuses_when_none_is_whole(tmp_path):
+    """``--ckpt_path last`` on small real checkpoint files: last.ckpt first, then by the step in the name (a copied
+    folder's modification times are the copy's); damaged ones named and skipped; none whole is an error."""
+    from bridge_pl.checkpoint_io import AtomicCheckpointIO, CheckpointError, resolve_checkpoint
+
+    io = AtomicCheckpointIO({"model.mode": "'bridge'"})
+    for name in ("epoch=0-step=10.ckpt", "epoch=0-step=9.ckpt", "last.ckpt"):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(64, 64)}, "global_step": 1}, tmp_path / name)
+    os.utime(tmp_path / "epoch=0-step=9.ckpt")  # touched last: times do not decide
+    assert resolve_checkpoint("last", tmp_path) == (str(tmp_path / "last.ckpt"), [])
+    damage(tmp_path / "last.ckpt")
+    damage(tmp_path / "epoch=0-step=10.ckpt")
+    path, notes = resolve_checkpoint("last", tmp_path)
+    assert path == str(tmp_path / "epoch=0-step=9.ckpt")
+    assert [n.split(" is ")[0] for n in notes[:2]] == [f"checkpoint {tmp_path / 'last.ckpt'}",
+                                                       f"checkpoint {tmp_path / 'epoch=0-step=10.ckpt'}"]
+    io.remove_checkpoint(tmp_path / "epoch=0-step=9.ckpt")
+    assert not (tmp_path / "epoch=0-step=9.ckpt.b2").exists()  # the digest goes with its checkpoint
+    with pytest.raises(CheckpointError, match=r"no whole checkpoint in .*: last.ckpt is damaged.*step=10.ckpt is"):
+        resolve_checkpoint("last", tmp_path)
+    assert resolve_checkpoint("last", tmp_path / "none")[0] is None  # nothing yet: the run starts from the beginning

@@ -29,12 +29,16 @@ from bridge_pl.checkpoint_io import (
 )
 from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
 from bridge_pl.data.datamodule import DATA_RULES, RolloutDataModule, data_problems, read_stage_sources
+from bridge_pl.data.sources import check_corpus
 from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
 from bridge_pl.module import BridgeModule
 from bridge_pl.run_lock import RunLock
 from bridge_pl.signals import StopOnSignal, exit_line
 
 DEBUG_ENV = "BRIDGE_PL_DEBUG"  # set to 1: errors show their Python traceback
+
+
+_OWN_RETRIEVERS = ("bridge_pl.retrieval.dense.DenseRetriever", "bridge_pl.retrieval.bm25.BM25Retriever")
 
 
 def _warn(message: str) -> None:
@@ -116,6 +120,8 @@ class BridgeCLI(LightningCLI):
             self._lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
         if self.subcommand is not None and config.get("data") is not None:  # QA sets checked before models load
             self._qa_sets = read_stage_sources(self.subcommand, config.get("data"))
+        if self.subcommand is not None and config.get("model.retriever.class_path") in _OWN_RETRIEVERS:
+            check_corpus(config.get("model.retriever.init_args.corpus"))  # and the corpus
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads an explicit --ckpt_path file here (its hyperparameters): check the file first
@@ -126,8 +132,8 @@ class BridgeCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs):
-        # When a command runs, data errors surface before the trainer (and its run directory) exists: the QA sets
-        # the command reads (read before the models load), and the retriever's corpus (read lazily otherwise).
+        # When a command runs, data errors surface before the trainer (and its run directory) exists: the QA sets and
+        # a bridge-pl retriever's corpus were read before the models loaded; a plug-in retriever's corpus is read here.
         if self.subcommand is not None and isinstance(self.datamodule, RolloutDataModule):
             self.datamodule.load_sources(self.subcommand, self._qa_sets)
         if self.subcommand is not None and isinstance(self.model, BridgeModule):

@@ -54,6 +54,13 @@ def _inline(records: list, what: str) -> list[tuple[str, Any]]:
             for i, r in enumerate(records)]
 
 
+@lru_cache(maxsize=1)
+def _corpus_file(path: Path, mtime_ns: int, size: int) -> tuple[Passage, ...]:
+    """A corpus file's passages, read once per version of the file (the CLI checks it before the models load,
+    the retriever reads it after)."""
+    return tuple(read_corpus(path))
+
+
 def load_corpus(spec: CorpusSpec) -> list[Passage]:
     """The corpus named by ``spec`` (see the module docstring); a new list each call."""
     if not isinstance(spec, str):
@@ -62,7 +69,15 @@ def load_corpus(spec: CorpusSpec) -> list[Passage]:
         return list(world(int(m["seed"] or 0)).corpus)
     if spec == "wikipedia":
         return wikipedia_corpus()
-    return read_corpus(_file(spec, CORPUS_FORMS, "corpus"))
+    path = _file(spec, CORPUS_FORMS, "corpus")
+    stat = path.stat()
+    return list(_corpus_file(path.resolve(), stat.st_mtime_ns, stat.st_size))
+
+
+def check_corpus(spec: CorpusSpec) -> None:
+    """Read (and so check) a corpus given as a file or an inline list; the named ones are the package's own."""
+    if not (isinstance(spec, str) and (_WORLD.fullmatch(spec) or spec == "wikipedia")):
+        load_corpus(spec)
 
 
 def load_qa(spec: QASpec) -> list[QAExample]:

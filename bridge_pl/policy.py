@@ -305,12 +305,11 @@ class Policy(nn.Module):
             return
         originals = []
         try:
-            with torch.no_grad(), torch.autocast(next(self.model.parameters()).device.type, enabled=False):
-                for layer in layers:
-                    weight = layer.get_base_layer().weight
-                    delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
-                    merged = (weight.float() + delta.float()).to(weight.dtype)
-                    originals.append((weight, weight.detach().clone()))
+            for layer in layers:
+                weight = layer.get_base_layer().weight
+                merged = _merged_weight(layer)
+                originals.append((weight, weight.detach().clone()))
+                with torch.no_grad():
                     weight.copy_(merged)
             with self.model.disable_adapter():
                 yield self.model
@@ -324,10 +323,48 @@ class Policy(nn.Module):
         """Whether :meth:`generation_model` merges the adapters (else it yields the model as it is)."""
         return bool(self._mergeable_lora_layers())
 
+    @torch.no_grad()
+    def generation_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base model's weights as :meth:`generation_model` computes with them, under their Hugging Face names
+        (what an inference engine such as vLLM loads): ``(name, tensor)`` one weight at a time, each LoRA delta
+        merged into its base weight in float32 and rounded once to the base dtype (a new tensor; the policy is not
+        changed), every other weight as it is (a view). Full fine-tuning: the weights as they are.
+
+        Raises:
+            ValueError: adapters that cannot be merged into a plain weight (see :meth:`generation_model`),
+                trained embeddings tied to the LM head, or sharded (FSDP2) weights.
+        """
+        if is_sharded(self.model):
+            raise ValueError("generation weights of a sharded (fsdp2) policy are not gathered here")
+        hf = self.hf_model
+        if getattr(hf.config, "tie_word_embeddings", False) and hf.get_input_embeddings().weight.requires_grad:
+            # vLLM reloads the embeddings but keeps its LM head's old copy of them
+            raise ValueError("the policy trains input embeddings tied to its LM head, which a weight push into an "
+                             "inference engine does not follow: use data.engine=hf")
+        merged: dict[str, nn.Module] = {}
+        if self.lora:
+            layers = self._plain_lora_layers()
+            if not layers:
+                raise ValueError("the policy's adapters cannot be merged into plain weights (DoRA, LoRA biases, "
+                                 "modules_to_save, 4-bit bases or shared weights): use data.engine=hf")
+            by_id = {id(m) for m in layers}
+            merged = {f"{name}.base_layer.weight": m for name, m in self.hf_model.named_modules() if id(m) in by_id}
+        for name, param in self.hf_model.named_parameters():
+            if ".lora_" in name:
+                continue
+            layer = merged.get(name)
+            yield name.replace(".base_layer.", "."), _merged_weight(layer) if layer is not None else param.detach()
+
     def _mergeable_lora_layers(self) -> list[nn.Module]:
         """The LoRA layers :meth:`generation_model` merges; empty when it must generate through the adapters."""
         if not self.merged_generation or is_sharded(self.model):
             return []
+        return self._plain_lora_layers()
+
+    def _plain_lora_layers(self) -> list[nn.Module]:
+        """The LoRA layers, when every one is a plain linear adapter whose delta can be merged into its own base
+        weight (no DoRA, bias, modules_to_save, disabled or merged adapters, nor shared or tied base weights);
+        else empty."""
         from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -567,6 +604,16 @@ class Policy(nn.Module):
         """Only what trains (adapters, or all weights for full fine-tuning): what a checkpoint holds."""
         names = {n for n, p in self.model.named_parameters() if p.requires_grad}
         return {k: v for k, v in self.model.state_dict().items() if k in names}
+
+
+@torch.no_grad()
+def _merged_weight(layer: nn.Module) -> torch.Tensor:
+    """A LoRA layer's base weight plus its active adapters' deltas ``scaling * B @ A``, summed in float32 (autocast
+    off) and rounded once to the base weight's dtype: a new ``[out, in]`` tensor."""
+    weight = layer.get_base_layer().weight
+    with torch.autocast(weight.device.type, enabled=False):
+        delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
+        return (weight.float() + delta.float()).to(weight.dtype)
 
 
 def _full_attention_only(config) -> bool:

@@ -290,7 +290,7 @@ class RLProblem:
         add up as the aggregate over the rows the steps trained on.
         """
         if minibatch is None or minibatch in self._signal_minibatches[:1]:
-            for key in [k for k in self.stats if k.startswith(("policy/", "critic/"))]:
+            for key in [k for k in self.stats if k.startswith(("policy/", "critic/", "rollout/"))]:
                 del self.stats[key]
         micro_batches = range(len(self._row_groups)) if minibatch is None else self._minibatches[minibatch]
         within = None if minibatch is None else self._minibatch_rows(minibatch)
@@ -329,9 +329,17 @@ class RLProblem:
         logp, entropy, hidden = self._forward_rows(cols, entropy=True, entropy_grad=bool(cfg.entropy_coef))
         old = self._old_logprobs.setdefault(group, logp.detach())  # π_old: this first forward, detached
         clip = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
-        loss = rl.policy_loss(logp, old, adv, mask, agg=cfg.loss_agg, **clip)
+        values = {}
+        weights = None
+        if self.batch.sampler_logprobs is not None and self.mask is self.batch.action_mask:
+            mismatch = rl.truncated_is_weights(old, self.batch.sampler_logprobs[cols], mask, cfg.tis_cap or 1.0)
+            values["rollout/sampler_logprob_gap"] = mismatch.mean_abs_gap
+            if cfg.tis_cap is not None:
+                weights = mismatch.weights
+                values["rollout/tis_truncated_share"] = mismatch.truncated_share
+        loss = rl.policy_loss(logp, old, adv, mask, agg=cfg.loss_agg, token_weights=weights, **clip)
         stats = rl.policy_loss_stats(logp, old, adv, mask, **clip)
-        values = {
+        values |= {
             "policy/clip_fraction": stats.clip_fraction,
             "policy/approx_kl": stats.approx_kl,
             "policy/entropy": float(rl.masked_mean(entropy.detach(), mask)),

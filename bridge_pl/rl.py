@@ -317,6 +317,7 @@ def policy_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PPO clipped surrogate loss (to minimise), aggregated by :func:`agg_loss`.
 
@@ -330,9 +331,58 @@ def policy_loss(
         old_logp: ``[B, T]`` the same under the policy that generated the rollout.
         advantages: ``[B, T]`` per-token advantages (see :func:`broadcast_to_tokens` for GRPO).
         mask: ``[B, T]`` action mask.
+        token_weights: ``[B, T]`` constant per-token weights of the loss (e.g. :func:`truncated_is_weights`);
+            None: 1.
     """
     terms = _surrogate(logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip)
-    return agg_loss(terms.loss, mask, agg)
+    loss = terms.loss if token_weights is None else terms.loss * token_weights.detach()
+    return agg_loss(loss, mask, agg)
+
+
+@dataclass(frozen=True)
+class SamplerMismatch:
+    """Truncated importance weights against the sampler and the size of the mismatch, detached.
+
+    Attributes:
+        weights: ``[B, T]`` ``min(exp(old_logp - sampler_logp), cap)`` on action tokens, 0 elsewhere.
+        mean_abs_gap: token mean of ``|old_logp - sampler_logp|`` (nats).
+        truncated_share: share of action tokens whose weight the cap bounded.
+    """
+
+    weights: torch.Tensor
+    mean_abs_gap: torch.Tensor
+    truncated_share: torch.Tensor
+
+
+@torch.no_grad()
+def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> SamplerMismatch:
+    """Truncated importance sampling (TIS) of tokens drawn by a sampler that differs from π_old.
+
+    The rollout engine samples with its own numerics (another kernel, merged bfloat16 weights), so the tokens
+    come from π_sampler, not from the π_old the surrogate's ratio starts at. Weighting each token's loss by
+    ``min(π_old / π_sampler, cap)`` corrects the expectation, truncated so one token cannot dominate
+    (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training").
+
+    Args:
+        old_logp: ``[B, T]`` π_old log-probs of the sampled tokens (the trainer's forward).
+        sampler_logp: ``[B, T]`` the sampler's log-probs of the same tokens, at the same temperature.
+        mask: ``[B, T]`` action mask.
+        cap: C >= 1.
+    """
+    if cap < 1:
+        raise ValueError(f"truncated importance sampling: cap must be >= 1, got {cap}")
+    for name, x in (("old_logp", old_logp), ("sampler_logp", sampler_logp)):
+        _check_same_shape(f"truncated_is_weights: {name}", x, mask)
+    act = mask.bool()
+    gap = _select(old_logp - sampler_logp, act)
+    ratio = torch.exp(gap.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    weights = _select(ratio.clamp(max=cap), act)
+    return SamplerMismatch(
+        weights=weights,
+        mean_abs_gap=masked_mean(gap.abs(), mask),
+        truncated_share=masked_mean((act & (ratio > cap)).to(old_logp.dtype), mask),
+    )
 
 
 @dataclass(frozen=True)

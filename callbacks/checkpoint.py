@@ -36,7 +36,23 @@ def validation_follows(trainer: pl.Trainer) -> bool:
 
 
 class ValidatedCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` (same arguments) that saves an iteration followed by a validation after that validation."""
+    """``ModelCheckpoint`` (same arguments) that saves an iteration followed by a validation after that validation.
+
+    Args:
+        keep_last: keep the newest N iteration checkpoints (besides ``last.ckpt``), so that a resume finding the
+            newest damaged falls back to a whole one (``monitor="step"``, ``mode="max"``, ``save_top_k=N``); None:
+            ``ModelCheckpoint``'s own ``monitor`` / ``save_top_k``.
+    """
+
+    def __init__(self, *args, keep_last: int | None = None, **kwargs) -> None:
+        if keep_last is not None:
+            if isinstance(keep_last, bool) or keep_last < 1:
+                raise ValueError(f"ValidatedCheckpoint option 'keep_last' must be an integer >= 1, got {keep_last!r}")
+            if kwargs.get("monitor") not in (None, "step"):
+                raise ValueError("ValidatedCheckpoint options 'keep_last' and 'monitor' exclude each other "
+                                 f"(keep_last monitors the step; got monitor={kwargs['monitor']!r})")
+            kwargs.update(monitor="step", mode="max", save_top_k=keep_last)
+        super().__init__(*args, **kwargs)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch,
                            batch_idx: int) -> None:

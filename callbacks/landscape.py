@@ -50,8 +50,6 @@ first probe step.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -68,6 +66,7 @@ from bridge_pl import landscape
 from bridge_pl.config import require_choice
 from bridge_pl.distributed import is_sharded, reshard
 from bridge_pl.eval_mode import eval_mode
+from bridge_pl.files import atomic_write
 from bridge_pl.problem import lower_level_loss
 from bridge_pl.rewards import normalize_answer
 from bridge_pl.rollout.batch import RolloutBatch
@@ -340,10 +339,7 @@ class LossLandscape(pl.Callback):
                                                 dataformats="HWC")
         out.mkdir(parents=True, exist_ok=True)
         flat = {f"{target}_{name}": v for target, arrays in results.items() for name, v in arrays.items()}
-        fd, tmp = tempfile.mkstemp(dir=out, suffix=".npz.tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, step=np.array(step), **flat)
-        os.replace(tmp, out / f"step{step}.npz")
+        atomic_write(out / f"step{step}.npz", lambda f: np.savez(f, step=np.array(step), **flat))
 
 
 def _contains_answer(text: str, golds: list[str]) -> bool:

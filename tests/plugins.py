@@ -107,15 +107,17 @@ class StepLog(L.Callback):
 
 
 class KillAt(L.Callback):
-    """SIGKILLs this process at the ``count``-th (1-based) pass through ``point``, as a crash would:
+    """SIGKILLs this process (or sends it ``signal_name``) at the ``count``-th (1-based) pass through ``point``, as a
+    crash (or a scheduler) would:
 
     ``rollout`` (an env step between two generated turns), ``update`` (an optimizer step, before it applies),
     ``checkpoint`` (a checkpoint file written to its temp name, not yet renamed into place), ``validation``
     (a validation batch), ``refresh`` (an index rebuild, before the new index is in place).
     """
 
-    def __init__(self, point: str, count: int = 1) -> None:
+    def __init__(self, point: str, count: int = 1, signal_name: str = "SIGKILL") -> None:
         self.point, self.count, self.seen = point, count, 0
+        self.signum = signal.Signals[signal_name]
         targets = {
             "rollout": (RolloutEngine, "_env_step"),
             "update": (ParamUpdate, "apply_grads"),
@@ -136,7 +138,7 @@ class KillAt(L.Callback):
     def _tick(self) -> None:
         self.seen += 1
         if self.seen == self.count:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signum)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
         if self.point == "validation":

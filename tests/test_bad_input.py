@@ -21,7 +21,7 @@ OPTION_CASES = {
     "zero eval examples": (["--data.max_eval_examples=0"], "data.max_eval_examples"),
     "zero sampling rounds": (["--data.max_sampling_rounds=0"], "data.max_sampling_rounds"),
     "top_p above one": (["--data.top_p=1.5"], "data.top_p must be in (0, 1]"),
-    "zero temperature": (["--data.temperature=0"], "data.temperature must be > 0"),
+    "zero temperature": (["--data.temperature=0"], "data.temperature must be a finite number >= 0.01"),
     "top_k above candidates": (["--model.retrieval.top_k=9"],
                                "model.retrieval.top_k (9) must be <= model.retrieval.candidates (4)"),
     "zero candidates": (["--model.retrieval.candidates=0", "--model.retrieval.top_k=0"], "model.retrieval.candidates"),
@@ -49,6 +49,19 @@ OPTION_CASES = {
     "unknown retriever class": (["--model.retriever.class_path=no.such.Retriever"], "no.such.Retriever"),
     "unknown policy model": (["--model.policy.init_args.model=no-such-model"], "no-such-model"),
     "negative type mixture weight": (['--data.type_mixture={"single": -1}'], "data.type_mixture"),
+    "infinite kl coefficient": (["--model.rl.kl_coef=.inf"], "model.rl.kl_coef must be a finite number, got inf"),
+    "nan clip range": (["--model.rl.clip_high=.nan"], "model.rl.clip_high must be a finite number, got nan"),
+    "infinite mixture weight": (['--data.type_mixture={"single": .inf}'], "data.type_mixture must be finite weights"),
+    "zero learning rate": (["--model.policy_optimizer=torch.optim.AdamW", "--model.policy_optimizer.init_args.lr=0"],
+                           "model.policy_optimizer.init_args.lr (a learning rate) must be > 0, got 0"),
+    "negative learning rate": (["--model.retriever_optimizer=torch.optim.SGD",
+                                "--model.retriever_optimizer.init_args.lr=-0.01"],
+                               "model.retriever_optimizer.init_args.lr (a learning rate) must be > 0, got -0.01"),
+    "temperature below the floor": (["--data.temperature=1e-30"], "data.temperature must be a finite number >= 0.01"),
+    "instruction with a stray brace": (["--data.instruction=Question: {question} {"],
+                                       "data.instruction must be a template whose only placeholders are"),
+    "instruction with an unknown placeholder": (["--data.instruction=Question: {question} {context}"],
+                                                "unknown placeholder {context}"),
 }
 
 
@@ -111,6 +124,27 @@ def test_a_config_file_with_a_yaml_syntax_error_is_named(tmp_path, capfd):
     assert f"config file {bad}:3: YAML syntax error" in _run(tmp_path, capfd, "--config", str(bad))
 
 
+def test_a_config_file_holding_a_list_is_named(tmp_path, capfd):
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- model:\n    mode: bridge\n")
+    assert f"config file {listed}: expected a mapping of options (key: value), got a YAML list" in _run(
+        tmp_path, capfd, "--config", str(listed))
+
+
+def test_a_key_given_twice_in_a_config_file_is_named(tmp_path, capfd):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("data:\n  batch_size: 2\n  n_samples: 2\n  batch_size: 4\n")
+    assert f"config file {twice}:4: key 'batch_size' appears twice in one mapping" in _run(
+        tmp_path, capfd, "--config", TINY, "--config", str(twice))
+
+
+def test_a_training_batch_larger_than_the_training_set_is_named(tmp_path, capfd):
+    path = _jsonl(tmp_path / "qa.jsonl", QA, {**QA, "id": "b"})
+    text = _run(tmp_path, capfd, "--config", TINY, f"--data.train={path}", "--data.batch_size=3")
+    assert f"data.batch_size (3) is larger than the training set {path} (2 examples)" in text
+    assert "Loading weights" not in text
+
+
 def _jsonl(path, *rows) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)
@@ -132,7 +166,8 @@ QA_CASES = {
 @pytest.mark.parametrize("rows, message", QA_CASES.values(), ids=QA_CASES.keys())
 def test_a_bad_qa_file_is_named_with_line_and_field(tmp_path, capfd, rows, message):
     path = _jsonl(tmp_path / "qa.jsonl", *rows)
-    assert path + message in _run(tmp_path, capfd, "--config", TINY, f"--data.train={path}")
+    text = _run(tmp_path, capfd, "--config", TINY, f"--data.train={path}")
+    assert path + message in text and "Loading weights" not in text  # QA sets are read before the models load
 
 
 def test_a_non_utf8_qa_file_is_named_with_its_line(tmp_path, capfd):
@@ -159,4 +194,23 @@ CORPUS_CASES = {
 def test_a_bad_corpus_is_named_with_line_and_field(tmp_path, capfd, rows, message):
     path = _jsonl(tmp_path / "corpus.jsonl", *rows)
     text = _run(tmp_path, capfd, "--config", TINY, f"--model.retriever.init_args.corpus={path}")
-    assert path + message in text
+    assert path + message in text and "Loading weights" not in text  # the corpus is read before the models load
+
+
+TITLED = {"id": "p1", "title": "Paris", "text": "Paris is a city."}  # Passage's own fields
+
+
+def test_a_corpus_in_a_json_file_goes_through_the_corpus_checks(tmp_path, capfd):
+    """A .json list in Passage's own layout is read by the corpus reader, not straight into dataclasses."""
+    path = tmp_path / "corpus.json"
+    path.write_text(json.dumps([TITLED, TITLED]))
+    text = _run(tmp_path, capfd, "--config", TINY, f"--model.retriever.init_args.corpus={path}")
+    assert f"{path}:item 1: field 'id' duplicates id 'p1'" in text and "Loading weights" not in text
+
+
+def test_an_inline_corpus_goes_through_the_corpus_checks(tmp_path, capfd):
+    inline = tmp_path / "inline.yaml"
+    inline.write_text("model:\n  retriever:\n    init_args:\n      corpus:\n"
+                      + "".join(f"        - {json.dumps(TITLED)}\n" for _ in range(2)))
+    text = _run(tmp_path, capfd, "--config", TINY, "--config", str(inline))
+    assert "corpus (inline list) item 1: field 'id' duplicates id 'p1'" in text and "Loading weights" not in text

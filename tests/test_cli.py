@@ -1,6 +1,7 @@
 """The ``bridge-pl`` command: help, config printing, the world writer, and a retriever plugged by YAML."""
 
 import filecmp
+import os
 from dataclasses import fields
 from typing import get_args
 
@@ -52,6 +53,17 @@ def test_world_command_is_deterministic(tmp_path, capsys):
     match, mismatch, errors = filecmp.cmpfiles(tmp_path / "a", tmp_path / "b", names, shallow=False)
     assert match == names and not mismatch and not errors
     assert not filecmp.cmp(tmp_path / "a" / "corpus.jsonl", tmp_path / "c" / "corpus.jsonl", shallow=False)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_world_files_honour_the_umask(tmp_path, capsys, umask):
+    previous = os.umask(umask)
+    try:
+        main(["world", "--out", str(tmp_path)])
+    finally:
+        os.umask(previous)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in tmp_path.iterdir()}
+    assert modes == dict.fromkeys(["corpus.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl"], 0o666 & ~umask)
 
 
 def test_retriever_plugged_in_by_class_path(tmp_path):

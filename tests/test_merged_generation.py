@@ -63,6 +63,31 @@ def test_it_computes_the_adapted_policy_without_the_lora_path_and_restores_the_b
     assert torch.equal(after, adapted)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generation_weights_are_the_weights_generation_model_computes_with(dtype):
+    """What an inference engine loads (HF names, LoRA merged) equals the merged model's own state, bit for bit."""
+    policy = Policy("tiny-llama", dtype=dtype, lora_r=4)
+    random_adapter(policy)
+    exported = dict(policy.generation_weights())
+    with policy.generation_model():
+        expected = {name.replace(".base_layer.", "."): p.detach().clone()
+                    for name, p in policy.hf_model.named_parameters() if ".lora_" not in name}
+    plain = dict(load_causal_lm("tiny-llama").named_parameters())
+    assert exported.keys() == expected.keys() == plain.keys()
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+
+
+def test_generation_weights_refuse_adapters_that_do_not_merge(tmp_path):
+    adapted = get_peft_model(load_causal_lm("tiny-llama"), LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    adapted.save_pretrained(tmp_path / "adapter")
+    policy = Policy("tiny-llama", dtype="float32", adapter=str(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match="data.engine=hf"):
+        dict(policy.generation_weights())
+    tied = Policy("tiny-llama", dtype="float32", lora=False)  # full fine-tuning trains the tied embeddings
+    with pytest.raises(ValueError, match="tied to its LM head"):
+        dict(tied.generation_weights())
+
+
 def test_a_bfloat16_base_gets_the_float32_sum_rounded_once_even_under_autocast():
     policy = Policy("tiny-llama", dtype="bfloat16", lora_r=4)
     random_adapter(policy)

@@ -105,3 +105,32 @@ def test_round_trips_are_exact_and_deterministic(tmp_path):
     c = write_corpus(tmp_path / "c.jsonl", passages)
     assert read_corpus(c) == passages
     assert set(json.loads(c.read_text().splitlines()[0])) == {"id", "contents", "title", "text"}
+
+
+# Every character str.splitlines() breaks at besides '\n' and '\r\n'; JSON may hold them unescaped in a string.
+LINE_SEPARATORS = "\r\u2028\u2029\x85\x0b\x0c\x1c\x1d\x1e"
+
+
+def test_jsonl_splits_records_at_newline_only_so_its_own_files_read_back(tmp_path):
+    examples = [QAExample(id=f"q{i}", question=f"Who{sep}wrote it?", golden_answers=[f"A{sep}B"],
+                          metadata={"note": sep})
+                for i, sep in enumerate(LINE_SEPARATORS)]
+    passages = [Passage(id=f"p{i}", title=f"T{sep}", text=f"x{sep}y") for i, sep in enumerate(LINE_SEPARATORS)]
+    assert read_qa(write_qa(tmp_path / "qa.jsonl", examples)) == examples
+    assert read_corpus(write_corpus(tmp_path / "corpus.jsonl", passages)) == passages
+
+
+def test_inline_lists_and_json_files_go_through_the_same_checks():
+    """A corpus or QA set given in YAML as a list of records is read by the file readers' record checks."""
+    from bridge_pl.data.sources import load_corpus, load_qa
+
+    passage = {"id": "p1", "contents": '"Paris"\nParis is a city.'}
+    assert load_corpus([passage]) == [Passage(id="p1", title="Paris", text="Paris is a city.")]
+    assert load_corpus([Passage("p1", "Paris", "x")]) == [Passage("p1", "Paris", "x")]  # objects, from Python
+    with pytest.raises(DataFormatError, match=r"corpus \(inline list\) item 1: field 'id' duplicates id 'p1'"):
+        load_corpus([passage, passage])
+    with pytest.raises(DataFormatError, match=r"QA set \(inline list\) item 0: field 'golden_answers' is missing"):
+        load_qa([{"question": "Who?"}])
+    with pytest.raises(DataFormatError, match=r"QA set \(inline list\): no QA examples"):
+        load_qa([])
+    assert load_qa([GOOD])[0].golden_answers == ["Zorvan"]

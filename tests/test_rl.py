@@ -221,6 +221,29 @@ def test_policy_loss_stats():
     assert not stats.approx_kl.requires_grad
 
 
+def test_truncated_is_weights_hand_computed():
+    # π_old / π_sampler per token: e^0.5, e^-1, e^2 (above the cap 3), masked (NaN there)
+    old = t([0.5, -1.0, 2.0, NAN])
+    sampler = t([0.0, 0.0, 0.0, NAN])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = rl.truncated_is_weights(old, sampler, mask, cap=3.0)
+    torch.testing.assert_close(out.weights, t([math.exp(0.5), math.exp(-1.0), 3.0, 0.0]))
+    assert out.mean_abs_gap.item() == pytest.approx(3.5 / 3)
+    assert out.truncated_share.item() == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="cap"):
+        rl.truncated_is_weights(old, sampler, mask, cap=0.5)
+
+
+def test_policy_loss_token_weights_scale_each_tokens_term():
+    logp, old, adv, mask = _policy_inputs()
+    # the per-token losses -1.2, 1.6, 4 (see above), weighted 2, 1, 0.5: (-2.4 + 1.6 + 2) / 3
+    weights = t([2.0, 1.0, 0.5, NAN])
+    loss = rl.policy_loss(logp, old, adv, mask, token_weights=weights)
+    assert loss.item() == pytest.approx(1.2 / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, t([0.0, 0.0, 2 / 3, 0.0]))  # t2's gradient 4/3 halved
+
+
 def test_value_loss_clipped():
     values = t([1.0, 1.2, NAN])
     old = t([0.5, 1.0, 0.0])

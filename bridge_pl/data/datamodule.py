@@ -9,26 +9,31 @@ though the loader is one batch ahead (the versions recorded in the batch prove i
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
-from bridge_pl.data.qa import QAExample
+from bridge_pl.config import require_choice
+from bridge_pl.data.qa import QAExample, QASpec
 from bridge_pl.data.sources import load_qa
 from bridge_pl.distributed import gather_per_rank, this_ranks
 from bridge_pl.policy import BranchedSequence
 from bridge_pl.rewards import ExactMatchReward, RewardFunction, extract_answer
 from bridge_pl.rollout.agent import RolloutAgent
 from bridge_pl.rollout.batch import RolloutBatch
-from bridge_pl.rollout.engine import RolloutEngine, Trajectory
+from bridge_pl.rollout.engine import MultiTurnEngine, RolloutEngine, Trajectory
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
+from bridge_pl.rollout.vllm_engine import VLLMConfig, VLLMRolloutEngine, vllm_available
 from bridge_pl.seeding import derive_seed
 
 # {think}, {search}, {information}, {answer}: the env's tag names (data.env); {question}: the question.
@@ -39,6 +44,87 @@ INSTRUCTION = (
     "inside <{answer}> and </{answer}> with no explanation, for example <{answer}> Paris </{answer}>.\n"
     "Question: {question}\n"
 )
+
+
+MIN_TEMPERATURE = 0.01  # data.temperature floor: below it sampling is greedy in float32 and a GRPO group's
+# samples are all alike (no advantage signal); evaluation is greedy anyway
+_TEMPLATE_FIELDS = ("question", "think", "search", "information", "answer")
+_PLACEHOLDERS = ", ".join("{" + name + "}" for name in _TEMPLATE_FIELDS)
+_AT_LEAST_ONE = ("batch_size", "n_samples", "eval_batch_size", "max_turns", "max_new_tokens_per_turn",
+                 "max_response_tokens", "max_sampling_rounds")
+
+
+def _template_problem(instruction: str) -> str | None:
+    """Why ``instruction`` is not a usable prompt template, or None."""
+    if "{question}" not in instruction:
+        return "a template containing '{question}'"
+    try:
+        instruction.format(**{name: name for name in _TEMPLATE_FIELDS})
+    except (KeyError, IndexError, ValueError) as error:
+        detail = f"unknown placeholder {{{error.args[0]}}}" if isinstance(error, (KeyError, IndexError)) else error
+        return (f"a template whose only placeholders are {_PLACEHOLDERS} "
+                f"(write a literal brace as {{{{ or }}}}); {detail}")
+    return None
+
+
+# option (without ``data.``) -> (test, what it must be); shared by the CLI (on the parsed config, before any model
+# loads) and RolloutDataModule.__init__ (a datamodule built in Python)
+DATA_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{key: (lambda v: v >= 1, "an integer >= 1") for key in _AT_LEAST_ONE},
+    "temperature": (lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
+                    f"a finite number >= {MIN_TEMPERATURE} (below it every sample of a group is the same)"),
+    "max_eval_examples": (lambda v: v >= 1, "null (all) or an integer >= 1"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "type_mixture": (lambda v: all(math.isfinite(w) and w >= 0 for w in v.values()) and sum(v.values()) > 0,
+                     "finite weights >= 0 with a positive sum"),
+}
+
+
+def data_problems(values: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the datamodule's settings ``values`` (option name -> value, unset optional ones None),
+    as messages that name the option (``data.<name>``); empty when they are fine."""
+    problems = [f"data.{key} must be {requirement}, got {values[key]!r}"
+                for key, (ok, requirement) in DATA_RULES.items() if values.get(key) is not None and not ok(values[key])]
+    instruction = values.get("instruction")
+    if instruction is not None and (requirement := _template_problem(instruction)):
+        problems.append(f"data.instruction must be {requirement}")
+    return problems
+
+
+DEFAULT_VAL = {"world_dev": "world/dev"}
+DEFAULT_TEST = {"world_test": "world/test"}
+
+
+def _source_key(source: QASpec) -> str:
+    return source if isinstance(source, str) else f"<inline list {id(source)}>"
+
+
+def read_stage_sources(stage: str, data: Mapping[str, Any], known: Mapping[str, list[QAExample]] | None = None,
+                       ) -> dict[str, list[QAExample]]:
+    """Read (and so check) every QA set ``stage`` reads, by source key, from the datamodule's settings ``data``
+    (``train``, ``val``, ``test``, ``batch_size``, ``type_mixture``; unset val/test: the defaults); sets in
+    ``known`` are not read again. For ``fit``, a ``data.batch_size`` larger than the training set is an error.
+
+    Raises:
+        DataFormatError: a malformed set (the message names file:line and field); ValueError: the batch size.
+    """
+    val = data.get("val") if data.get("val") is not None else DEFAULT_VAL
+    test = data.get("test") if data.get("test") is not None else DEFAULT_TEST
+    sources = {"fit": [data["train"], *val.values()], "validate": list(val.values())}.get(stage, list(test.values()))
+    sets = dict(known or {})
+    for source in sources:
+        if _source_key(source) not in sets:
+            sets[_source_key(source)] = load_qa(source)
+    if stage == "fit" and data.get("type_mixture") is None:  # a mixture draws with replacement
+        train_size, batch_size = len(sets[_source_key(data["train"])]), data["batch_size"]
+        if batch_size > train_size:
+            name = data["train"] if isinstance(data["train"], str) else "(inline list)"
+            raise ValueError(f"data.batch_size ({batch_size}) is larger than the training set {name} "
+                             f"({train_size} examples)")
+    return sets
+
+
+Engine = Literal["auto", "hf", "vllm"]
 
 
 def policy_text(trajectory: Trajectory, tokenizer) -> str:
@@ -128,12 +214,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     Args:
         train: QA source for training (see :func:`bridge_pl.data.sources.load_qa`: ``world/train``,
-            ``fanoutqa/sub``, a FlashRAG/Search-R1 jsonl path, ...).
+            ``fanoutqa/sub``, a FlashRAG/Search-R1 jsonl path, ..., or an inline list of records).
         val, test: named QA sources, each evaluated and reported separately (``val/<name>/em``).
         max_eval_examples: evaluate on the first N examples of each val/test set (None: all).
         batch_size: prompts per training iteration; ``n_samples`` trajectories each (a GRPO group).
         eval_batch_size: prompts per evaluation batch (greedy, one trajectory each).
         max_turns, max_new_tokens_per_turn, max_response_tokens, temperature, top_p: rollout settings.
+        engine: the generation backend: ``hf`` (bridge-pl's own KV-cached decode loop), ``vllm`` (an in-process
+            vLLM engine, weights synced before each rollout; one process only), or ``auto`` (default): vLLM where
+            it imports, the run has one process and the engine builds for the policy, else ``hf`` (logged).
+        vllm: settings of the vLLM backend (:class:`~bridge_pl.rollout.vllm_engine.VLLMConfig`).
         filter_groups: DAPO dynamic sampling: train only on groups whose rewards differ (the others have
             GRPO advantage 0), refilling from fresh prompts; ``max_sampling_rounds`` bounds the rollouts per
             iteration (1: filter without refilling). See :meth:`_sample_groups`.
@@ -150,9 +240,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        train: str = "world/train",
-        val: dict[str, str] | None = None,
-        test: dict[str, str] | None = None,
+        train: QASpec = "world/train",
+        val: dict[str, QASpec] | None = None,
+        test: dict[str, QASpec] | None = None,
         max_eval_examples: int | None = None,
         batch_size: int = 4,
         n_samples: int = 4,
@@ -162,6 +252,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_response_tokens: int = 512,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        engine: Engine = "auto",
+        vllm: VLLMConfig = VLLMConfig(),
         filter_groups: bool = False,
         max_sampling_rounds: int = 1,
         type_mixture: dict[str, float] | None = None,
@@ -172,29 +264,26 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        if "{question}" not in instruction:
-            raise ValueError("data.instruction must contain '{question}'")
+        if problems := data_problems(locals()):  # the arguments by name
+            raise ValueError("; ".join(problems))
         self.train_source = train
-        self.val_sources = dict(val) if val is not None else {"world_dev": "world/dev"}
-        self.test_sources = dict(test) if test is not None else {"world_test": "world/test"}
+        self.val_sources = dict(val) if val is not None else dict(DEFAULT_VAL)
+        self.test_sources = dict(test) if test is not None else dict(DEFAULT_TEST)
         self.max_eval_examples = max_eval_examples
-        if max_sampling_rounds < 1:
-            raise ValueError(f"data.max_sampling_rounds must be >= 1, got {max_sampling_rounds}")
         self.batch_size, self.n_samples, self.eval_batch_size = batch_size, n_samples, eval_batch_size
         self.filter_groups, self.max_sampling_rounds = filter_groups, max_sampling_rounds
-        if type_mixture is not None and (any(w < 0 for w in type_mixture.values()) or sum(type_mixture.values()) <= 0):
-            raise ValueError(f"data.type_mixture needs weights >= 0 with a positive sum, got {type_mixture}")
         self.type_mixture = type_mixture
         self.engine_args = dict(
             max_turns=max_turns, max_new_tokens_per_turn=max_new_tokens_per_turn,
             max_response_tokens=max_response_tokens, temperature=temperature, top_p=top_p,
         )
+        self.engine_name, self.vllm_config = require_choice("data.engine", engine, Engine), vllm
         self.env_config = env or EnvConfig()
         self.reward = reward or ExactMatchReward()
         self.instruction, self.use_chat_template, self._seed = instruction, use_chat_template, seed
         self.consumed = 0  # training batches generated so far (the resumable data position)
         self._sets: dict[str, list[QAExample]] = {}
-        self._engine: RolloutEngine | None = None
+        self._engine: MultiTurnEngine | None = None
         self._generator: torch.Generator | None = None
         self._generator_state: torch.Tensor | None = None  # restored from a checkpoint, applied lazily
 
@@ -204,16 +293,19 @@ class RolloutDataModule(L.LightningDataModule):
         return self._seed if self._seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     # ---- data -----------------------------------------------------------------------------------
-    def load(self, source: str, limit: int | None = None) -> list[QAExample]:
-        if source not in self._sets:
-            self._sets[source] = load_qa(source)
-        return self._sets[source][:limit] if limit is not None else self._sets[source]
+    def load(self, source: QASpec, limit: int | None = None) -> list[QAExample]:
+        key = _source_key(source)
+        if key not in self._sets:
+            self._sets[key] = load_qa(source)
+        return self._sets[key][:limit] if limit is not None else self._sets[key]
 
-    def load_sources(self, stage: str) -> None:
-        """Load (and so check) every QA set ``stage`` (``fit``, ``validate``, ``test``, ``predict``) reads."""
-        sources = {"fit": [self.train_source, *self.val_sources.values()], "validate": list(self.val_sources.values())}
-        for source in sources.get(stage, list(self.test_sources.values())):
-            self.load(source)
+    def load_sources(self, stage: str, preloaded: Mapping[str, list[QAExample]] | None = None) -> None:
+        """Load (and so check) every QA set ``stage`` (``fit``, ``validate``, ``test``, ``predict``) reads;
+        ``preloaded``: sets :func:`read_stage_sources` read already."""
+        self._sets.update(preloaded or {})
+        settings = {"train": self.train_source, "val": self.val_sources, "test": self.test_sources,
+                    "batch_size": self.batch_size, "type_mixture": self.type_mixture}
+        self._sets.update(read_stage_sources(stage, settings, self._sets))
 
     def _stream(self) -> _PromptStream:
         trainer = self.trainer
@@ -239,6 +331,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def predict_dataloader(self) -> list[DataLoader]:
         return self._eval_loaders(self.test_sources)
+
+    def teardown(self, stage: str) -> None:
+        if self._engine is not None:
+            self._engine.close()
 
     def state_dict(self) -> dict:
         """The data position and the sampling generator's state (saved in checkpoints)."""
@@ -331,18 +427,42 @@ class RolloutDataModule(L.LightningDataModule):
         policy = module.policy
         tokenizer = policy.tokenizer
         if self._engine is None:
-            self._engine = RolloutEngine(SearchEnv(self.env_config, tokenizer), **self.engine_args)
+            self._engine = self._build_engine(SearchEnv(self.env_config, tokenizer), policy)
             self._generator = torch.Generator(device=module.device).manual_seed(
                 derive_seed(self.seed, "rollout", self.trainer.global_rank if self.trainer else 0)
             )
             if self._generator_state is not None:
                 self._generator.set_state(self._generator_state)
-        with policy.generation_model() as model:
-            return self._engine.generate(
-                model, tokenizer, [self.prompt_ids(tokenizer, ex.question) for ex in examples],
-                search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
-                n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
-            )
+        return self._engine.rollout(
+            policy, [self.prompt_ids(tokenizer, ex.question) for ex in examples],
+            search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
+            n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
+        )
+
+    def _build_engine(self, env: SearchEnv, policy) -> MultiTurnEngine:
+        """The ``data.engine`` backend; ``auto`` tries vLLM (one process, where it imports) and falls back to hf."""
+        name = self.engine_name
+        single = self.trainer is None or self.trainer.world_size == 1
+        if name == "auto" and not (single and vllm_available()):
+            name = "hf"
+        if name == "hf":
+            rank_zero_info("data.engine: rollouts generate with bridge-pl's own decode loop (hf)")
+            return RolloutEngine(env, **self.engine_args)
+        if not single:
+            raise ValueError(f"data.engine=vllm runs in one process; this run has {self.trainer.world_size} "
+                             "(use data.engine=hf)")
+        engine = VLLMRolloutEngine(env, **self.engine_args, config=self.vllm_config, seed=self.seed)
+        try:
+            engine.sync(policy)
+        except Exception as error:
+            engine.close()
+            if self.engine_name == "vllm":
+                raise
+            rank_zero_warn(f"data.engine=auto: vLLM could not run this policy ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''}); generating with hf")
+            return RolloutEngine(env, **self.engine_args)
+        rank_zero_info("data.engine: rollouts generate with vLLM (in process)")
+        return engine
 
     def _score(self, module: RolloutAgent, trajectories: list[Trajectory], per_traj: list[QAExample]
     ) -> list[tuple[str | None, float]]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bridge_pl.files import atomic_write
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,13 @@ class QAExample:
     question: str
     golden_answers: list[str]
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+# A corpus or QA set as a config gives it: a name or file path (bridge_pl.data.sources), or the records themselves
+# (an inline YAML list; in Python, Passage / QAExample objects too). Not list[Passage]: jsonargparse would read a
+# .json file's list straight into dataclasses, past the readers' checks.
+CorpusSpec = str | list[dict[str, Any]]
+QASpec = str | list[dict[str, Any]]
 
 
 class DataFormatError(ValueError):
@@ -81,7 +88,9 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
         for i, item in enumerate(items):
             yield f"{path}:item {i}", item
         return
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines ends a record at '\n' only: str.splitlines() would also split at U+2028, U+0085, \x1c ..., which
+    # JSON strings may hold unescaped (the project's own writer keeps them, ensure_ascii=False)
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         if len(line) > MAX_RECORD_CHARS:
@@ -155,14 +164,20 @@ def read_qa(path: str | Path) -> list[QAExample]:
             no record is ever skipped.
     """
     path = Path(path)
+    return qa_from_records(_records(path), str(path))
+
+
+def qa_from_records(records: Iterable[tuple[str, Any]], where: str) -> list[QAExample]:
+    """QA examples from ``(location, record)`` pairs (a file's, or an inline YAML list's), with the checks of
+    :func:`read_qa`; ``where`` names the source in the empty-set error."""
     examples: list[QAExample] = []
     seen: dict[str, str] = {}
-    for index, (loc, row) in enumerate(_records(path)):
+    for index, (loc, row) in enumerate(records):
         ex = _qa_example(loc, index, row)
         _check_unique(loc, ex.id, seen)
         examples.append(ex)
     if not examples:
-        raise DataFormatError(f"{path}: no QA examples (the file is empty)")
+        raise DataFormatError(f"{where}: no QA examples (the file is empty)")
     return examples
 
 
@@ -205,31 +220,31 @@ def read_corpus(path: str | Path) -> list[Passage]:
     ``id`` is required and duplicate ids are errors.
     """
     path = Path(path)
+    return passages_from_records(_records(path), str(path))
+
+
+def passages_from_records(records: Iterable[tuple[str, Any]], where: str) -> list[Passage]:
+    """Passages from ``(location, record)`` pairs (a file's, or an inline YAML list's), with the checks of
+    :func:`read_corpus`; ``where`` names the source in the empty-corpus error."""
     passages: list[Passage] = []
     seen: dict[str, str] = {}
-    for loc, row in _records(path):
+    for loc, row in records:
         p = _passage(loc, row)
         _check_unique(loc, p.id, seen)
         passages.append(p)
     if not passages:
-        raise DataFormatError(f"{path}: no passages (the file is empty)")
+        raise DataFormatError(f"{where}: no passages (the file is empty)")
     return passages
 
 
 def _write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
     """Write rows as UTF-8 jsonl (ensure_ascii=False, '\\n'), atomically (temp file, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+
+    def write(f) -> None:
+        for row in rows:
+            f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+
+    return atomic_write(path, write)
 
 
 def write_qa(path: str | Path, examples: Iterable[QAExample]) -> Path:

@@ -1,18 +1,30 @@
-"""One string names a corpus or a QA set (as used in YAML configs).
+"""One string names a corpus or a QA set (as used in YAML configs); an inline list of records is read too.
 
 Corpora: ``"world"`` / ``"world:SEED"`` (generated), ``"wikipedia"`` (packaged), or a corpus file.
 QA sets: ``"world/SPLIT"`` / ``"world:SEED/SPLIT"`` (SPLIT in train, dev, test), ``"fanoutqa/sub"``,
 ``"fanoutqa/top"``, or a QA file (jsonl / json / parquet).
+Inline lists (``corpus: [{id: p1, contents: ...}, ...]`` in YAML) go through the same record checks as a file.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from bridge_pl.data.packaged import FANOUTQA_LEVELS, fanoutqa_questions, wikipedia_corpus
-from bridge_pl.data.qa import Passage, QAExample, read_corpus, read_qa
+from bridge_pl.data.qa import (
+    CorpusSpec,
+    Passage,
+    QAExample,
+    QASpec,
+    passages_from_records,
+    qa_from_records,
+    read_corpus,
+    read_qa,
+)
 from bridge_pl.data.world import World, build_world
 
 _WORLD = re.compile(r"world(?::(?P<seed>-?\d+))?")
@@ -36,17 +48,42 @@ def _file(spec: str, forms: tuple[str, ...], what: str) -> Path:
     return path
 
 
-def load_corpus(spec: str) -> list[Passage]:
+def _inline(records: list, what: str) -> list[tuple[str, Any]]:
+    """``(location, record)`` pairs of an inline list; dataclass records (``Passage``, ``QAExample``) as dicts."""
+    return [(f"{what} (inline list) item {i}", asdict(r) if isinstance(r, (Passage, QAExample)) else r)
+            for i, r in enumerate(records)]
+
+
+@lru_cache(maxsize=1)
+def _corpus_file(path: Path, mtime_ns: int, size: int) -> tuple[Passage, ...]:
+    """A corpus file's passages, read once per version of the file (the CLI checks it before the models load,
+    the retriever reads it after)."""
+    return tuple(read_corpus(path))
+
+
+def load_corpus(spec: CorpusSpec) -> list[Passage]:
     """The corpus named by ``spec`` (see the module docstring); a new list each call."""
+    if not isinstance(spec, str):
+        return passages_from_records(_inline(spec, "corpus"), "corpus (inline list)")
     if m := _WORLD.fullmatch(spec):
         return list(world(int(m["seed"] or 0)).corpus)
     if spec == "wikipedia":
         return wikipedia_corpus()
-    return read_corpus(_file(spec, CORPUS_FORMS, "corpus"))
+    path = _file(spec, CORPUS_FORMS, "corpus")
+    stat = path.stat()
+    return list(_corpus_file(path.resolve(), stat.st_mtime_ns, stat.st_size))
 
 
-def load_qa(spec: str) -> list[QAExample]:
+def check_corpus(spec: CorpusSpec) -> None:
+    """Read (and so check) a corpus given as a file or an inline list; the named ones are the package's own."""
+    if not (isinstance(spec, str) and (_WORLD.fullmatch(spec) or spec == "wikipedia")):
+        load_corpus(spec)
+
+
+def load_qa(spec: QASpec) -> list[QAExample]:
     """The QA set named by ``spec`` (see the module docstring); a new list each call."""
+    if not isinstance(spec, str):
+        return qa_from_records(_inline(spec, "QA set"), "QA set (inline list)")
     if m := _WORLD_QA.fullmatch(spec):
         return list(getattr(world(int(m["seed"] or 0)), m["split"]))
     if spec.startswith("fanoutqa/") and spec.removeprefix("fanoutqa/") in FANOUTQA_LEVELS:

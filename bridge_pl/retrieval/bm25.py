@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bridge_pl.config import require_choice
-from bridge_pl.data.qa import Passage
+from bridge_pl.data.qa import CorpusSpec, Passage
 from bridge_pl.retrieval.base import Retriever
 
 BM25Method = Literal["robertson", "lucene", "bm25l", "bm25+", "atire"]
@@ -42,7 +42,7 @@ class BM25Retriever(Retriever):
 
     def __init__(
         self,
-        corpus: str | list[Passage],
+        corpus: CorpusSpec,
         k1: float = 1.5,
         b: float = 0.75,
         method: BM25Method = "lucene",
@@ -51,10 +51,7 @@ class BM25Retriever(Retriever):
         super().__init__()
         require_choice("BM25Retriever option 'method'", method, BM25Method)
         self.k1, self.b, self.method, self.stopwords = k1, b, method, stopwords
-        if isinstance(corpus, str):
-            self._corpus_spec, self._passages = corpus, None
-        else:
-            self._corpus_spec, self._passages = "<list>", list(corpus)
+        self._corpus_spec, self._passages = corpus, None  # read (and checked) on first use
         self._bm25 = None
 
     @property

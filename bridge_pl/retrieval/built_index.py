@@ -26,14 +26,8 @@ import numpy as np
 import torch
 
 from bridge_pl.data.qa import Passage
-from bridge_pl.retrieval.index import (
-    KIND_OPTIONS,
-    DenseIndex,
-    StaleIndexError,
-    atomic_write,
-    default_nlist,
-    is_verified,
-)
+from bridge_pl.files import atomic_write, is_verified
+from bridge_pl.retrieval.index import KIND_OPTIONS, DenseIndex, StaleIndexError, default_nlist
 from bridge_pl.retrieval.store import (
     OFFSETS_FILE,
     PASSAGES_FILE,

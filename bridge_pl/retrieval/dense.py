@@ -27,11 +27,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bridge_pl.config import require_choice
-from bridge_pl.data.qa import Passage
+from bridge_pl.data.qa import CorpusSpec, Passage
 from bridge_pl.eval_mode import eval_mode
+from bridge_pl.files import is_verified, write_verified
 from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.built_index import BuiltIndex, inner_products
-from bridge_pl.retrieval.index import DenseIndex, IndexKind, is_verified, write_verified
+from bridge_pl.retrieval.index import DenseIndex, IndexKind
 from bridge_pl.retrieval.store import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class DenseRetriever(Retriever):
 
     def __init__(
         self,
-        corpus: str | list[Passage] | None = None,
+        corpus: CorpusSpec | None = None,
         encoder: str = "minilm-l6",
         query_prefix: str = "",
         passage_prefix: str = "",
@@ -250,10 +251,7 @@ class DenseRetriever(Retriever):
                                  f"{sorted(self.index_options)}")
         self.index_path = index_path
         self._built: BuiltIndex | None = None
-        if corpus is None or isinstance(corpus, str):
-            self._corpus_spec, self._passages = corpus, None
-        else:
-            self._corpus_spec, self._passages = "<list>", list(corpus)
+        self._corpus_spec, self._passages = corpus, None  # read (and checked) on first use
         self._corpus_hash: str | None = None
 
         hf_encoder, tokenizer = load_encoder(encoder), load_tokenizer(encoder)
@@ -346,7 +344,7 @@ class DenseRetriever(Retriever):
             if self._corpus_spec is not None:  # a corpus named beside the index must be the one it holds
                 from bridge_pl.data.sources import load_corpus
 
-                given = corpus_hash(self._passages or load_corpus(self._corpus_spec))
+                given = corpus_hash(load_corpus(self._corpus_spec))
             tower = self._passage_side()
             built.check(tower.fingerprint(self.passage_prefix, self.max_passage_length), given)
             self._built, self._passages, self._corpus_hash = built, built.passages, built.manifest["corpus_fingerprint"]

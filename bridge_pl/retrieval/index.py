@@ -7,20 +7,17 @@ says the staleness is intended (``allow_stale=True``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import Literal
 
 import faiss
 import numpy as np
 import torch
 
 from bridge_pl.config import require_choice
+from bridge_pl.files import write_verified
 
 IndexKind = Literal["flat", "ivf", "hnsw", "ivf_pq"]
 # The settings each kind uses (the others are ignored by it).
@@ -45,51 +42,6 @@ def as_float32(x: np.ndarray | torch.Tensor, name: str = "embeddings") -> np.nda
     if x.ndim != 2:
         raise ValueError(f"{name} must be a 2-D [N, D] array, got shape {tuple(x.shape)}")
     return x
-
-
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
-    """Create ``path`` by ``write(file)`` into a temp file in the same folder, then rename (no torn files)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _digest_path(path: Path) -> Path:
-    return path.with_name(path.name + ".b2")
-
-
-def file_digest(path: str | Path) -> str:
-    """BLAKE2b hex digest of a file's bytes (read in 16 MiB chunks)."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_verified(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
-    """:func:`atomic_write`, then a ``<name>.b2`` digest beside it; :func:`is_verified` checks the pair.
-
-    A write killed between the two leaves a file without a digest, which counts as damaged.
-    """
-    path = atomic_write(path, write)
-    digest = file_digest(path)
-    atomic_write(_digest_path(path), lambda f: f.write(digest.encode()))
-    return path
-
-
-def is_verified(path: str | Path) -> bool:
-    """Whether ``path`` and its digest (see :func:`write_verified`) exist and agree."""
-    path, digest = Path(path), _digest_path(Path(path))
-    return path.is_file() and digest.is_file() and digest.read_text().strip() == file_digest(path)
 
 
 def topk_overlap(rows_a: torch.Tensor, rows_b: torch.Tensor) -> float:

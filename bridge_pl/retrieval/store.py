@@ -9,7 +9,7 @@
   nothing is mapped into the process and its resident memory does not grow with the rows it has read.
 
 A truncated or missing file is reported by :class:`StoreError` naming it; content digests (``<file>.b2``,
-see :func:`bridge_pl.retrieval.index.write_verified`) are checked by the build (resume) and on request.
+see :func:`bridge_pl.files.write_verified`) are checked by the build (resume) and on request.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import overload
 import numpy as np
 
 from bridge_pl.data.qa import Passage
-from bridge_pl.retrieval.index import write_verified
+from bridge_pl.files import write_verified
 
 PASSAGES_FILE = "passages.jsonl"
 OFFSETS_FILE = "passages.offsets.npy"

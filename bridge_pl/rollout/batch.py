@@ -58,6 +58,8 @@ class RolloutBatch:
     # packed sequence: its context, one branch per candidate slot (that passage alone), the gold answer.
     credit_searches: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     credit_sequences: list[BranchedSequence] = field(default_factory=list)
+    # [B, T] float: the generation engine's log-prob of each sampled token (at ``temperature``), 0 elsewhere
+    sampler_logprobs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -101,11 +103,14 @@ class RolloutBatch:
         input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros(B, T, dtype=torch.long)
         action_mask = torch.zeros(B, T, dtype=torch.float32)
+        sampler_logprobs = torch.zeros(B, T, dtype=torch.float32)
         for b, traj in enumerate(trajectories):
             p, r = len(traj.prompt_ids), len(traj.response_ids)
             input_ids[b, : p + r] = torch.tensor(traj.prompt_ids + traj.response_ids, dtype=torch.long)
             attention_mask[b, : p + r] = 1
             action_mask[b, p : p + r] = torch.tensor(traj.action_mask, dtype=torch.float32)
+            if traj.sampler_logprobs:
+                sampler_logprobs[b, p : p + r] = torch.tensor(traj.sampler_logprobs, dtype=torch.float32)
 
         calls = [(b, call) for b, traj in enumerate(trajectories) for call in traj.searches]
         K = max((len(c.outcome.candidate_rows) for _, c in calls), default=0)
@@ -143,6 +148,7 @@ class RolloutBatch:
             dataset=dataset,
             sampling=dict(sampling or {}),
             temperature=temperature,
+            sampler_logprobs=sampler_logprobs if all(t.sampler_logprobs for t in trajectories) else None,
         )
 
     @classmethod
@@ -204,4 +210,6 @@ class RolloutBatch:
             temperature=batches[0].temperature,
             credit_searches=torch.cat([b.credit_searches + o for b, o in zip(batches, search_offsets)]),
             credit_sequences=joined("credit_sequences"),
+            sampler_logprobs=(torch.cat([right_pad(b.sampler_logprobs, T, 0.0) for b in batches])
+                              if all(b.sampler_logprobs is not None for b in batches) else None),
         )

@@ -1,5 +1,11 @@
-"""Batched multi-turn generation with search calls, reusing the KV cache across turns.
+"""Multi-turn generation with search calls: the episode rules every backend shares, and the ``hf`` backend.
 
+:class:`MultiTurnEngine` holds the episode (turn budgets, the env's parsing and replies, search calls, what a
+:class:`Trajectory` records); a backend supplies only a :class:`TurnDecoder`, which samples one turn per active
+row and appends the env's reply ids. Every backend is token-in/token-out: a turn is never re-tokenised, and the
+next turn continues from the recorded ids. ``bridge_pl.rollout.vllm_engine`` is the vLLM backend.
+
+:class:`RolloutEngine` (``hf``) decodes with the Hugging Face model itself, reusing the KV cache across turns.
 All active trajectories decode together, one token per forward. A trajectory's turn ends at EOS, at the
 per-turn budget, or on the token that completes a stop string (``</search>`` / ``</answer>``); rows that
 already stopped are fed a padding token with attention mask 0 (a "hole") until every row has stopped.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -26,6 +33,9 @@ from bridge_pl.attention import MIN_SHARED_PREFIX
 from bridge_pl.data.qa import Passage
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.rollout.env import Action, SearchEnv
+
+if TYPE_CHECKING:
+    from bridge_pl.policy import Policy
 
 
 @dataclass
@@ -54,7 +64,11 @@ class SearchCall:
 
 @dataclass
 class Trajectory:
-    """One rollout. ``action_mask[i] = 1`` exactly where ``response_ids[i]`` was sampled by the policy."""
+    """One rollout. ``action_mask[i] = 1`` exactly where ``response_ids[i]`` was sampled by the policy.
+
+    ``sampler_logprobs[i]``: the sampler's log-prob (nats) of ``response_ids[i]`` at the sampling temperature (and
+    top-p) where it was sampled, 0.0 on env tokens. Greedy decoding records the log-probs at temperature 1.
+    """
 
     prompt_index: int  # index into the prompts list (the GRPO group)
     prompt_ids: list[int]
@@ -66,6 +80,7 @@ class Trajectory:
     valid_actions: int
     invalid_actions: int
     finished: bool  # ended with an answer (vs the turn or token limit)
+    sampler_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -76,15 +91,37 @@ class _Rollout:
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     action_mask: list[int] = field(default_factory=list)
+    sampler_logprobs: list[float] = field(default_factory=list)
     searches: list[SearchCall] = field(default_factory=list)
     turns: int = 0
     valid: int = 0
     invalid: int = 0
     finished: bool = False
 
-    def extend(self, ids: list[int], action: int) -> None:
+    def extend(self, ids: list[int], action: int, logprobs: list[float] | None = None) -> None:
         self.response_ids.extend(ids)
         self.action_mask.extend([action] * len(ids))
+        self.sampler_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+@dataclass
+class SampledTurn:
+    """One row's turn as a decoder sampled it: the ids and each one's sampler log-prob (nats)."""
+
+    ids: list[int]
+    logprobs: list[float]
+
+
+class TurnDecoder(Protocol):
+    """What a backend supplies for one batch of rows (``n_samples`` per prompt, prompt-major)."""
+
+    def decode(self, budgets: list[int]) -> list[SampledTurn]:
+        """Sample one turn for every active row, at most ``budgets[i]`` tokens for row i, ending at EOS or on
+        the token that completes a stop string (that token kept)."""
+
+    def append(self, keep: list[int], replies: list[list[int]]) -> None:
+        """Drop the rows not in ``keep`` (indices into the active rows, ascending); row ``keep[j]`` continues
+        after its sampled turn and then ``replies[j]`` (the env's ids)."""
 
 
 # transformers 5.2x renamed ``past_key_values`` to ``cache`` (the old name warns, then goes away).
@@ -120,8 +157,8 @@ class StopMatcher:
         return any(s in tail for s in self.stop_strings)
 
 
-class RolloutEngine:
-    """Batched multi-turn rollouts of a causal LM against a :class:`SearchEnv`.
+class MultiTurnEngine:
+    """Batched multi-turn rollouts against a :class:`SearchEnv`: the episode rules every backend shares.
 
     Episode rules: a turn ends at EOS (the EOS token is kept, mask 1), at the per-turn budget, or on the
     token completing a stop string. An answer ends the episode (``finished``); a search or invalid turn
@@ -137,6 +174,8 @@ class RolloutEngine:
             text would leave no room for another token ends there (unfinished, the search not recorded).
         temperature, top_p: sampling parameters (ignored when ``greedy``).
     """
+
+    name = "base"
 
     def __init__(
         self,
@@ -161,131 +200,62 @@ class RolloutEngine:
         self.max_response_tokens = max_response_tokens
         self.temperature = temperature
         self.top_p = top_p
-        self._matcher: tuple[object, StopMatcher] | None = None  # (tokenizer, matcher) cache
 
-    # ---- public -------------------------------------------------------------------------------
-    def generate(
+    def rollout(
         self,
-        model: torch.nn.Module,
-        tokenizer,
+        policy: Policy,
         prompts: list[list[int]],
         search_fn: SearchFn,
         n_samples: int = 1,
         greedy: bool = False,
         generator: torch.Generator | None = None,
     ) -> list[Trajectory]:
-        """Roll out ``n_samples`` trajectories per prompt, prompt-major (``[p0s0, p0s1, …, p1s0, …]``).
+        """Roll out ``policy`` as it is now: ``n_samples`` trajectories per prompt, prompt-major
+        (``[p0s0, p0s1, …, p1s0, …]``). The seam the datamodule uses; each backend implements it.
+        ``generator`` (on the policy's device) drives the sampling, so a run resumed with its state repeats it."""
+        raise NotImplementedError
 
-        Runs under ``torch.no_grad()`` in eval mode and restores the model's previous mode. ``search_fn``
-        is called once per turn with every query issued in that turn (never with an empty list).
-        ``generator`` must live on the model's device.
-        """
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("RolloutEngine.generate: prompts must be a non-empty list of non-empty id lists")
-        if n_samples < 1:
-            raise ValueError(f"RolloutEngine.generate: n_samples must be >= 1, got {n_samples}")
-        with eval_mode(model), torch.no_grad():
-            rollouts = self._run(model, tokenizer, prompts, search_fn, n_samples, greedy, generator)
+    def close(self) -> None:
+        """Free what the backend holds between rollouts (nothing here)."""
+
+    def _episodes(self, decoder: TurnDecoder, tokenizer, prompts: list[list[int]], search_fn: SearchFn,
+                  n_samples: int) -> list[Trajectory]:
+        """Run the episodes of ``n_samples`` rows per prompt with ``decoder`` sampling the turns."""
+        rollouts = [_Rollout(p, list(prompts[p])) for p in range(len(prompts)) for _ in range(n_samples)]
+        rows = list(range(len(rollouts)))  # rows[i]: the rollout in active row i
+        for turn in range(1, self.max_turns + 2):
+            budgets = [min(self.max_new_tokens_per_turn, self.max_response_tokens - len(rollouts[r].response_ids))
+                       for r in rows]
+            actions = []
+            for r, sampled in zip(rows, decoder.decode(budgets), strict=True):
+                rollouts[r].extend(sampled.ids, 1, sampled.logprobs)
+                rollouts[r].turns += 1
+                actions.append(self.env.parse_action(tokenizer.decode(sampled.ids)))
+            replies = self._env_step(rollouts, rows, actions, turn, search_fn, tokenizer)
+            keep = [i for i, reply in enumerate(replies) if reply is not None]
+            if not keep:
+                break
+            decoder.append(keep, [replies[i] for i in keep])
+            rows = [rows[i] for i in keep]
         return [
             Trajectory(
                 prompt_index=r.prompt_index, prompt_ids=r.prompt_ids, response_ids=r.response_ids,
                 action_mask=r.action_mask, response_text=tokenizer.decode(r.response_ids),
                 searches=r.searches, turns=r.turns, valid_actions=r.valid, invalid_actions=r.invalid,
-                finished=r.finished,
+                finished=r.finished, sampler_logprobs=r.sampler_logprobs,
             )
             for r in rollouts
         ]
 
-    # ---- the loop -----------------------------------------------------------------------------
-    def _run(self, model, tokenizer, prompts, search_fn, n_samples, greedy, generator) -> list[_Rollout]:
-        device = next(model.parameters()).device
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        matcher = self._stop_matcher(tokenizer, eos_token_ids(model, tokenizer))
-        rollouts = [_Rollout(p, list(prompts[p])) for p in range(len(prompts)) for _ in range(n_samples)]
-
-        logits, cache, attn = self._prefill(model, prompts, pad_id, device)
-        if n_samples > 1:
-            cache.batch_repeat_interleave(n_samples)
-            attn = attn.repeat_interleave(n_samples, dim=0)
-            logits = logits.repeat_interleave(n_samples, dim=0)
-        rows = list(range(len(rollouts)))  # rows[i]: the rollout in batch row i
-
-        for turn in range(1, self.max_turns + 2):
-            room = [self.max_response_tokens - len(rollouts[r].response_ids) for r in rows]
-            budgets = [min(self.max_new_tokens_per_turn, n) for n in room]
-            turn_ids, unfed, logits, attn = self._decode_turn(
-                model, cache, attn, logits, budgets, matcher, pad_id, greedy, generator
-            )
-            actions = []
-            for i, r in enumerate(rows):
-                rollouts[r].extend(turn_ids[i], 1)
-                rollouts[r].turns += 1
-                actions.append(self.env.parse_action(tokenizer.decode(turn_ids[i])))
-            replies = self._env_step(rollouts, rows, actions, turn, search_fn, tokenizer)
-
-            keep = [i for i, reply in enumerate(replies) if reply is not None]
-            if not keep:
-                break
-            if len(keep) < len(rows):
-                cache.batch_select_indices(torch.tensor(keep, device=device))
-                attn = attn[keep]
-            attn = _compact(cache, attn)
-            chunk_ids, chunk_attn = _left_pad([unfed[i] + replies[i] for i in keep], pad_id, device)
-            attn = torch.cat([attn, chunk_attn], dim=1)
-            logits, cache = _forward(model, chunk_ids, attn, cache)
-            rows = [rows[i] for i in keep]
-        return rollouts
-
     @staticmethod
-    def _prefill(model, prompts: list[list[int]], pad_id: int, device):
-        """Feed each distinct prompt once: logits ``[P, V]``, the cache and its mask ``[P, L]``.
-
-        Prompts built from one template share a long prefix (system prompt and instruction: ~115 of the
-        demo's 134 tokens), so the prefix is fed once and its cache copied to every row; each prompt's
-        remainder follows, left-padded (the hole between the two is masked and positions come from the mask).
-        """
-        shared = _common_prefix_length(prompts) if len(prompts) > 1 else 0
-        if shared < MIN_SHARED_PREFIX:
-            ids, attn = _left_pad([list(p) for p in prompts], pad_id, device)
-            logits, cache = _forward(model, ids, attn, None)
-            return logits, cache, attn
-        prefix = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device)
-        _, cache = _forward(model, prefix, torch.ones_like(prefix), None)
-        cache.batch_repeat_interleave(len(prompts))
-        ids, rest_attn = _left_pad([p[shared:] for p in prompts], pad_id, device)
-        attn = torch.cat([torch.ones(len(prompts), shared, dtype=rest_attn.dtype, device=device), rest_attn], dim=1)
-        logits, cache = _forward(model, ids, attn, cache)
-        return logits, cache, attn
-
-    def _decode_turn(self, model, cache, attn, logits, budgets, matcher, pad_id, greedy, generator):
-        """Sample one turn for every batch row.
-
-        Returns the sampled ids per row, the ids not yet fed to the cache per row (the last token of rows
-        that stopped on the last step), and the updated logits ``[B, V]`` and attention mask ``[B, L]``.
-        """
-        B = len(budgets)
-        turn_ids: list[list[int]] = [[] for _ in range(B)]
-        running = [True] * B
-        while True:
-            tokens = _sample(logits, greedy, self.temperature, self.top_p, generator).tolist()
-            fed = list(running)
-            for i in range(B):
-                if not running[i]:
-                    tokens[i] = pad_id
-                    continue
-                turn_ids[i].append(tokens[i])
-                if len(turn_ids[i]) >= budgets[i] or matcher.stops(turn_ids[i]):
-                    running[i] = False
-            if not any(running):
-                unfed = [[tokens[i]] if fed[i] else [] for i in range(B)]
-                return turn_ids, unfed, logits, attn
-            step_mask = torch.tensor(fed, dtype=attn.dtype, device=attn.device)[:, None]
-            attn = torch.cat([attn, step_mask], dim=1)
-            step_ids = torch.tensor(tokens, dtype=torch.long, device=attn.device)[:, None]
-            logits, _ = _forward(model, step_ids, attn, cache)
+    def _check_request(prompts: list[list[int]], n_samples: int) -> None:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("RolloutEngine.generate: prompts must be a non-empty list of non-empty id lists")
+        if n_samples < 1:
+            raise ValueError(f"RolloutEngine.generate: n_samples must be >= 1, got {n_samples}")
 
     def _env_step(self, rollouts, rows, actions: list[Action], turn: int, search_fn: SearchFn, tokenizer):
-        """Apply the turn's actions. Returns per batch row the env ids to append, or None if it is done."""
+        """Apply the turn's actions. Returns per active row the env ids to append, or None if it is done."""
         final = turn == self.max_turns + 1
         pending = []  # batch rows that go on and need a reply
         for i, (r, action) in enumerate(zip(rows, actions, strict=True)):
@@ -328,10 +298,126 @@ class RolloutEngine:
             raise ValueError(f"search_fn returned {len(outcomes)} outcomes for {len(queries)} queries")
         return outcomes
 
-    def _stop_matcher(self, tokenizer, eos_ids: set[int]) -> StopMatcher:
+
+class RolloutEngine(MultiTurnEngine):
+    """The ``hf`` backend: all active rows decode together with the Hugging Face model, one token per forward,
+    reusing the KV cache across turns (see the module docstring)."""
+
+    name = "hf"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._matcher: tuple[object, StopMatcher] | None = None  # (tokenizer, matcher) cache
+
+    def rollout(self, policy, prompts, search_fn, n_samples=1, greedy=False, generator=None) -> list[Trajectory]:
+        with policy.generation_model() as model:
+            return self.generate(model, policy.tokenizer, prompts, search_fn, n_samples=n_samples, greedy=greedy,
+                                 generator=generator)
+
+    def generate(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        prompts: list[list[int]],
+        search_fn: SearchFn,
+        n_samples: int = 1,
+        greedy: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> list[Trajectory]:
+        """Roll out ``model`` itself: ``n_samples`` trajectories per prompt, prompt-major.
+
+        Runs under ``torch.no_grad()`` in eval mode and restores the model's previous mode. ``search_fn``
+        is called once per turn with every query issued in that turn (never with an empty list).
+        ``generator`` must live on the model's device.
+        """
+        self._check_request(prompts, n_samples)
+        with eval_mode(model), torch.no_grad():
+            decoder = _CachedDecoder(model, tokenizer, prompts, n_samples, self._stop_matcher(model, tokenizer),
+                                     greedy, self.temperature, self.top_p, generator)
+            return self._episodes(decoder, tokenizer, prompts, search_fn, n_samples)
+
+    def _stop_matcher(self, model, tokenizer) -> StopMatcher:
+        eos_ids = eos_token_ids(model, tokenizer)
         if self._matcher is None or self._matcher[0] is not tokenizer or self._matcher[1].eos_ids != eos_ids:
             self._matcher = (tokenizer, StopMatcher(tokenizer, self.env.stop_strings, eos_ids))
         return self._matcher[1]
+
+
+class _CachedDecoder:
+    """The ``hf`` backend's :class:`TurnDecoder`: one KV cache for the batch, kept across turns.
+
+    A turn's rows decode together; rows that already stopped are fed a padding token with attention mask 0 (a
+    "hole"). A row that stopped on the last step has its last token not yet fed (``unfed``); it goes into the
+    cache with the row's reply, in one forward for all rows.
+    """
+
+    def __init__(self, model, tokenizer, prompts, n_samples, matcher: StopMatcher, greedy: bool, temperature: float,
+                 top_p: float, generator: torch.Generator | None) -> None:
+        self.model, self.matcher, self.greedy, self.generator = model, matcher, greedy, generator
+        self.temperature, self.top_p = (1.0, 1.0) if greedy else (temperature, top_p)
+        self.device = next(model.parameters()).device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.logits, self.cache, self.attn = self._prefill(prompts)
+        if n_samples > 1:
+            self.cache.batch_repeat_interleave(n_samples)
+            self.attn = self.attn.repeat_interleave(n_samples, dim=0)
+            self.logits = self.logits.repeat_interleave(n_samples, dim=0)
+        self.unfed: list[list[int]] = []
+
+    def _prefill(self, prompts: list[list[int]]):
+        """Feed each distinct prompt once: logits ``[P, V]``, the cache and its mask ``[P, L]``.
+
+        Prompts built from one template share a long prefix (system prompt and instruction: ~115 of the
+        demo's 134 tokens), so the prefix is fed once and its cache copied to every row; each prompt's
+        remainder follows, left-padded (the hole between the two is masked and positions come from the mask).
+        """
+        model, pad_id, device = self.model, self.pad_id, self.device
+        shared = _common_prefix_length(prompts) if len(prompts) > 1 else 0
+        if shared < MIN_SHARED_PREFIX:
+            ids, attn = _left_pad([list(p) for p in prompts], pad_id, device)
+            logits, cache = _forward(model, ids, attn, None)
+            return logits, cache, attn
+        prefix = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device)
+        _, cache = _forward(model, prefix, torch.ones_like(prefix), None)
+        cache.batch_repeat_interleave(len(prompts))
+        ids, rest_attn = _left_pad([p[shared:] for p in prompts], pad_id, device)
+        attn = torch.cat([torch.ones(len(prompts), shared, dtype=rest_attn.dtype, device=device), rest_attn], dim=1)
+        logits, cache = _forward(model, ids, attn, cache)
+        return logits, cache, attn
+
+    def decode(self, budgets: list[int]) -> list[SampledTurn]:
+        B = len(budgets)
+        turns = [SampledTurn([], []) for _ in range(B)]
+        running = [True] * B
+        while True:
+            tokens, logprobs = _sample(self.logits, self.greedy, self.temperature, self.top_p, self.generator)
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()
+            fed = list(running)
+            for i in range(B):
+                if not running[i]:
+                    tokens[i] = self.pad_id
+                    continue
+                turns[i].ids.append(tokens[i])
+                turns[i].logprobs.append(logprobs[i])
+                if len(turns[i].ids) >= budgets[i] or self.matcher.stops(turns[i].ids):
+                    running[i] = False
+            if not any(running):
+                self.unfed = [[tokens[i]] if fed[i] else [] for i in range(B)]
+                return turns
+            step_mask = torch.tensor(fed, dtype=self.attn.dtype, device=self.device)[:, None]
+            self.attn = torch.cat([self.attn, step_mask], dim=1)
+            step_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+            self.logits, _ = _forward(self.model, step_ids, self.attn, self.cache)
+
+    def append(self, keep: list[int], replies: list[list[int]]) -> None:
+        if len(keep) < self.attn.shape[0]:
+            self.cache.batch_select_indices(torch.tensor(keep, device=self.device))
+            self.attn = self.attn[keep]
+        self.attn = _compact(self.cache, self.attn)
+        chunk_ids, chunk_attn = _left_pad([self.unfed[i] + reply for i, reply in zip(keep, replies, strict=True)],
+                                          self.pad_id, self.device)
+        self.attn = torch.cat([self.attn, chunk_attn], dim=1)
+        self.logits, self.cache = _forward(self.model, chunk_ids, self.attn, self.cache)
 
 
 # ---- tensor helpers ---------------------------------------------------------------------------
@@ -386,10 +472,12 @@ def _forward(model, ids: torch.Tensor, attn: torch.Tensor, cache):
 
 
 def _sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float,
-            generator: torch.Generator | None) -> torch.Tensor:
-    """Next token ``[B]`` from logits ``[B, V]``: argmax, or temperature + nucleus (top-p) sampling."""
+            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token ``[B]`` from logits ``[B, V]`` (argmax, or temperature + nucleus (top-p) sampling) and its
+    log-prob ``[B]`` under the distribution it was drawn from (greedy: the softmax of the logits)."""
     if greedy:
-        return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        return tokens, _gather_logprobs(logits, tokens)
     logits = logits / temperature
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -397,7 +485,13 @@ def _sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float
         outside = probs.cumsum(dim=-1) - probs > top_p  # the top token is always kept
         sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    tokens = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    return tokens, _gather_logprobs(logits, tokens)
+
+
+def _gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)`` ``[B, V]`` at ``tokens`` ``[B]``: ``[B]``."""
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def _compact(cache, attn: torch.Tensor) -> torch.Tensor:

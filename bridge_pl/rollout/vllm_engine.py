@@ -1,0 +1,289 @@
+"""The ``vllm`` backend: rollouts sampled by a vLLM engine in this process, kept in sync with the policy's weights.
+
+The engine is built once, from the policy's Hugging Face folder, on the first rollout. Before each rollout the
+policy's weights as generation sees them (:meth:`~bridge_pl.policy.Policy.generation_weights`: LoRA deltas
+merged into their base weights, rounded once to the base dtype) are pushed into the live engine when the trained
+parameters changed since the last push (a digest of them decides), and the prefix cache is reset. No new engine
+is built and nothing goes through the disk.
+
+Multi-turn stays token-in/token-out: each turn is a request whose prompt is the row's token ids so far (prompt,
+sampled turns, env replies), never re-tokenised text; vLLM's prefix caching reuses the KV of what it has seen.
+A turn stops at EOS (kept), at the turn budget (``max_tokens``) or on the token completing a stop string (kept,
+with whatever else that token's text holds): the rules of :class:`~bridge_pl.rollout.engine.MultiTurnEngine`.
+
+Sampling draws from torch's default generator in this process (vLLM samples with it when a request names no
+seed). Each turn's draws run in a forked RNG seeded from the rollout's ``generator``, so a run resumed with that
+generator's state samples the same tokens (given the same batch shapes), and the trainer's own RNG streams are
+left untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from bridge_pl.config import require_choice
+from bridge_pl.distributed import is_sharded
+from bridge_pl.rollout.engine import MultiTurnEngine, SampledTurn, SearchFn, Trajectory, eos_token_ids
+
+log = logging.getLogger(__name__)
+
+
+WeightSync = Literal["auto", "merged", "adapter"]
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """Settings of the ``vllm`` generation backend (``data.vllm``).
+
+    Attributes:
+        kv_cache_gb: CPU: GiB of memory for vLLM's KV cache (``VLLM_CPU_KVCACHE_SPACE``, unless set already).
+            The demo's 48 trajectories of up to ~700 tokens with SmolLM2 need about 1 GiB.
+        gpu_memory_utilization: CUDA: share of the GPU's memory vLLM may take for its weights and KV cache; the
+            rest is the trainer's.
+        compile: let vLLM compile the model with torch.compile (slow to start; on CUDA also CUDA graphs). False:
+            eager execution (starts in seconds).
+        max_model_len: longest sequence (prompt + response) in tokens; None: the model's own limit, at most 8192.
+        max_num_seqs: sequences vLLM schedules in one step at most.
+        weight_sync: how the policy reaches the engine: ``merged`` (the base weights with the LoRA deltas merged
+            in, pushed in place), ``adapter`` (the LoRA adapter alone, saved to a temporary folder and served as a
+            vLLM ``LoRARequest`` over the unchanged base; LoRA policies only), or ``auto`` (default): ``adapter``
+            for a LoRA policy on CUDA, else ``merged`` (vLLM's CPU LoRA kernels sample several times slower).
+    """
+
+    kv_cache_gb: int = 2
+    gpu_memory_utilization: float = 0.3
+    compile: bool = False
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    weight_sync: WeightSync = "auto"
+
+    def __post_init__(self) -> None:
+        require_choice("data.vllm.weight_sync", self.weight_sync, WeightSync)
+        if self.kv_cache_gb < 1:
+            raise ValueError(f"data.vllm.kv_cache_gb must be >= 1 (GiB), got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"data.vllm.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"data.vllm.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"data.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+def _vllm_environment() -> None:
+    """vLLM's settings that must be in the environment before it is imported (each unless the user set it)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the run's own
+
+
+def vllm_available() -> bool:
+    """Whether vLLM imports here (the ``vllm-cpu`` or ``vllm`` package)."""
+    _vllm_environment()
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # an install broken in any way is "not available": ``engine: auto`` falls back to hf
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Keep what building a vLLM engine changes in this process: the Python, NumPy and torch RNG states (its
+    worker seeds them all) and ``torch.set_num_threads`` (its CPU worker replaces the function with a no-op)."""
+    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def weights_digest(policy) -> str:
+    """A digest of the policy's trained parameters (what differs from the folder the engine loaded)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, param in policy.model.named_parameters():
+        if param.requires_grad:
+            h.update(name.encode())
+            h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class VLLMRolloutEngine(MultiTurnEngine):
+    """The ``vllm`` backend (see the module docstring). Same arguments as
+    :class:`~bridge_pl.rollout.engine.MultiTurnEngine`, plus ``config`` (:class:`VLLMConfig`) and ``seed``
+    (the engine's own seed; sampling is seeded per turn from the rollout's generator)."""
+
+    name = "vllm"
+
+    def __init__(self, *args, config: VLLMConfig | None = None, seed: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = config or VLLMConfig()
+        self.seed = seed
+        self.llm = None
+        self._started = False  # an engine was (being) built: vLLM's process group may exist
+        self.synced: str | None = None  # weights_digest of what the engine holds
+        self.syncs = 0
+        self.adapter: object | None = None  # the LoRARequest every request names (adapter sync), else None
+        self._adapter_dir: Path | None = None
+
+    # ---- the engine and its weights -------------------------------------------------------------
+    def _build(self, policy) -> None:
+        if is_sharded(policy.model):
+            raise ValueError("data.engine=vllm runs in one process; under a sharded strategy (fsdp2) use "
+                             "data.engine=hf")
+        if getattr(policy.hf_model, "is_loaded_in_4bit", False):
+            raise ValueError("data.engine=vllm cannot load a 4-bit (policy.load_in_4bit) base; use data.engine=hf")
+        cfg = self.config
+        _vllm_environment()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
+        hf_config = policy.hf_model.config
+        max_len = cfg.max_model_len or min(getattr(hf_config, "max_position_embeddings", 8192), 8192)
+        self.sync_adapter = self._adapter_sync(policy)
+        lora = {}
+        if self.sync_adapter:
+            (peft_config,) = policy.model.peft_config.values()
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM sizes its LoRA buffers for
+            rank = next((r for r in ranks if r >= peft_config.r), None)
+            if rank is None:
+                raise ValueError(f"vLLM serves LoRA ranks up to {ranks[-1]}; policy.lora_r is {peft_config.r}")
+            lora = dict(enable_lora=True, max_loras=1, max_lora_rank=rank)
+        self._started = True
+        with _process_state_kept():
+            from vllm import LLM
+
+            self.llm = LLM(
+                model=hf_config.name_or_path, dtype=str(policy.weight_dtype).removeprefix("torch."), seed=self.seed,
+                enable_prefix_caching=True, enforce_eager=not cfg.compile, logprobs_mode="processed_logprobs",
+                max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
+                gpu_memory_utilization=cfg.gpu_memory_utilization, **lora,
+            )
+            # one token now: kernels that cannot run this model (e.g. CPU attention below 32-wide heads) fail here
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            self.llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
+        log.info("vLLM engine built from %s (%s)", hf_config.name_or_path, policy.weight_dtype)
+
+    def _adapter_sync(self, policy) -> bool:
+        """Whether weights reach the engine as a LoRA adapter (see :class:`VLLMConfig`'s ``weight_sync``)."""
+        mode = self.config.weight_sync
+        if mode == "auto":
+            return policy.lora and torch.cuda.is_available()
+        if mode == "adapter" and not policy.lora:
+            raise ValueError("data.vllm.weight_sync=adapter needs a LoRA policy (policy.lora=true)")
+        return mode == "adapter"
+
+    def _push_adapter(self, policy) -> None:
+        """Save the policy's adapter to this engine's folder and name it in every request from now on."""
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_dir is None:
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix="bridge_pl_vllm_adapter_"))
+        policy.save_adapter(self._adapter_dir)
+        self.adapter = LoRARequest("policy", 1, str(self._adapter_dir), load_inplace=True)
+
+    def sync(self, policy) -> bool:
+        """Push the policy's generation weights into the engine if its trained parameters changed since the
+        last push (or never were pushed). Returns whether it pushed."""
+        if self.llm is None:
+            self._build(policy)
+        elif policy.hf_model.config.name_or_path != self.llm.llm_engine.model_config.model:
+            raise ValueError(f"this vLLM engine holds {self.llm.llm_engine.model_config.model}, not "
+                             f"{policy.hf_model.config.name_or_path}: one engine serves one policy")
+        digest = weights_digest(policy)
+        if digest == self.synced:
+            return False
+        if self.sync_adapter:
+            self._push_adapter(policy)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy.generation_weights()})
+        self.llm.reset_prefix_cache()
+        self.synced, self.syncs = digest, self.syncs + 1
+        return True
+
+    def close(self) -> None:
+        """Free the engine (its weights and KV cache) and the one-process group vLLM set up; the next rollout
+        builds a new one."""
+        if not self._started:
+            return
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm, self.synced, self._started, self.adapter = None, None, False, None
+        cleanup_dist_env_and_memory()
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
+
+    # ---- rollouts -------------------------------------------------------------------------------
+    def rollout(self, policy, prompts, search_fn: SearchFn, n_samples: int = 1, greedy: bool = False,
+                generator: torch.Generator | None = None) -> list[Trajectory]:
+        self._check_request(prompts, n_samples)
+        self.sync(policy)
+        tokenizer = policy.tokenizer
+        decoder = _VLLMDecoder(self, prompts, n_samples, sorted(eos_token_ids(policy.hf_model, tokenizer)), greedy,
+                               generator)
+        return self._episodes(decoder, tokenizer, prompts, search_fn, n_samples)
+
+
+class _VLLMDecoder:
+    """The ``vllm`` backend's :class:`~bridge_pl.rollout.engine.TurnDecoder`: each row's ids so far, sent whole
+    as the next turn's prompt."""
+
+    def __init__(self, engine: VLLMRolloutEngine, prompts: list[list[int]], n_samples: int, eos_ids: list[int],
+                 greedy: bool, generator: torch.Generator | None) -> None:
+        self.engine, self.eos_ids, self.greedy, self.generator = engine, eos_ids, greedy, generator
+        self.rows = [list(p) for p in prompts for _ in range(n_samples)]
+        self.last: list[SampledTurn] = []
+
+    def _params(self, budget: int):
+        from vllm import SamplingParams
+
+        engine = self.engine
+        sampling = dict(temperature=0.0) if self.greedy else dict(temperature=engine.temperature, top_p=engine.top_p)
+        return SamplingParams(
+            max_tokens=budget, stop=list(engine.env.stop_strings), include_stop_str_in_output=True,
+            stop_token_ids=self.eos_ids, logprobs=0, skip_special_tokens=False, **sampling,
+        )
+
+    def decode(self, budgets: list[int]) -> list[SampledTurn]:
+        from vllm.inputs import TokensPrompt
+
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in self.rows]
+        params = [self._params(b) for b in budgets]
+        seed = 0
+        if not self.greedy:
+            device = self.generator.device if self.generator is not None else "cpu"
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device))
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            outputs = self.engine.llm.generate(requests, params, use_tqdm=False, lora_request=self.engine.adapter)
+        self.last = []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            logprobs = [float(step[token].logprob) for token, step in zip(ids, sample.logprobs, strict=True)]
+            self.last.append(SampledTurn(ids, logprobs))
+        return self.last
+
+    def append(self, keep: list[int], replies: list[list[int]]) -> None:
+        self.rows = [self.rows[i] + self.last[i].ids + reply for i, reply in zip(keep, replies, strict=True)]

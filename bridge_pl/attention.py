@@ -1,15 +1,17 @@
-"""``sdpa_decode``: PyTorch SDPA attention, except single-token decode steps, which use two small matmuls.
+"""The policy's attention: PyTorch SDPA with a shared training prefix, and opt-in matmul decode steps.
 
-On CPU, ``scaled_dot_product_attention`` with a one-token query (transformers folds the grouped-query heads
-into a query of length ``n_heads / n_kv_heads``) runs a flash kernel built for long queries: when no row is
-padded (transformers then passes no mask) it took 61 % of a decode step in a profile of the demo's policy
-(``benchmarks/decode_attention_bench.py`` times both). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched
-matmul over the grouped heads, a float32 softmax and a second matmul do it without copying the cache.
-Every other call (prefill, an observation fed to the cache, training forwards of more than one new token) goes to
-transformers' SDPA.
-
-It is also where a training forward's shared prefix is recorded and read (:class:`SharedPrefixKV`): the keys and
+``sdpa_prefix`` (what :class:`~bridge_pl.policy.Policy` sets on SDPA models) is transformers' SDPA attention plus
+the place where a training forward's shared prefix is recorded and read (:class:`SharedPrefixKV`): the keys and
 values of the leading tokens every row has, run once, are put ahead of each row's own.
+
+``sdpa_decode`` (``Policy(decode_matmul=True)``) also runs single-token decode steps as two small matmuls. On CPU,
+``scaled_dot_product_attention`` with a one-token query (transformers folds the grouped-query heads into a query
+of length ``n_heads / n_kv_heads``) runs a flash kernel built for long queries, which is slow when no row is padded
+(transformers then passes no mask). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched matmul over the
+grouped heads, a float32 softmax and a second matmul do it without copying the cache. It is faster per unpadded
+decode step on CPU, but whole rollouts were not measured faster with it (their rows differ in length, so SDPA gets
+a mask), and on CUDA it would replace the fused kernels; so it is off by default
+(``benchmarks/decode_attention_bench.py`` times both side by side).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-NAME = "sdpa_decode"
+NAME = "sdpa_prefix"  # SDPA + SharedPrefixKV: the policy's default on SDPA models
+DECODE_NAME = "sdpa_decode"  # the same, with one-token decode steps as two matmuls (opt-in)
 MIN_SHARED_PREFIX = 16  # shorter prefixes shared by every row are not worth a separate forward
 
 
@@ -64,6 +67,29 @@ class SharedPrefixKV:
         return key, value, torch.cat([seen, attention_mask], dim=-1)
 
 
+def prefix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    record_prefix: SharedPrefixKV | None = None,
+    after_prefix: SharedPrefixKV | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' SDPA attention ``[B, Q, H, D]`` with the shared-prefix hooks (arguments as
+    :func:`decode_attention`)."""
+    if record_prefix is not None:
+        record_prefix.record(module.layer_idx, key, value)
+    if after_prefix is not None:
+        key, value, attention_mask = after_prefix.prepend(module.layer_idx, key, value, attention_mask,
+                                                          query.shape[2])
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
 def decode_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -82,15 +108,11 @@ def decode_attention(
     ``record_prefix``: keep this layer's keys and values as a shared prefix's; ``after_prefix``: attend to that
     prefix ahead of ``key``/``value`` (:class:`SharedPrefixKV`).
     """
-    if record_prefix is not None:
-        record_prefix.record(module.layer_idx, key, value)
-    if after_prefix is not None:
-        key, value, attention_mask = after_prefix.prepend(module.layer_idx, key, value, attention_mask,
-                                                          query.shape[2])
     batch, heads, q_len, dim = query.shape
-    if q_len != 1 or dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    if (q_len != 1 or dropout or record_prefix is not None or after_prefix is not None
+            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None):
+        return prefix_attention(module, query, key, value, attention_mask, dropout, scaling, record_prefix,
+                                after_prefix, **kwargs)
     kv_heads, length = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h reads kv head h // (H / H_kv)
@@ -102,11 +124,14 @@ def decode_attention(
     return torch.matmul(probs, value).reshape(batch, 1, heads, dim), None
 
 
-AttentionInterface.register(NAME, decode_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+for _name, _forward in ((NAME, prefix_attention), (DECODE_NAME, decode_attention)):
+    AttentionInterface.register(_name, _forward)
+    AttentionMaskInterface.register(_name, sdpa_mask)
+ATTENTIONS = (NAME, DECODE_NAME)  # the implementations that record and read a SharedPrefixKV
 
 
-def use_decode_attention(model) -> None:
-    """Switch a transformers model that runs SDPA attention to ``sdpa_decode`` (others are left alone)."""
+def use_bridge_attention(model, decode_matmul: bool = False) -> None:
+    """Switch a transformers model that runs SDPA attention to ``sdpa_prefix``, or with ``decode_matmul`` to
+    ``sdpa_decode`` (models with another attention are left alone)."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        model.set_attn_implementation(NAME)
+        model.set_attn_implementation(DECODE_NAME if decode_matmul else NAME)

@@ -16,6 +16,8 @@ a mask), and on CUDA it would replace the fused kernels; so it is off by default
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -67,7 +69,7 @@ class SharedPrefixKV:
         return key, value, torch.cat([seen, attention_mask], dim=-1)
 
 
-def prefix_attention(
+def bridge_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -77,42 +79,27 @@ def prefix_attention(
     scaling: float | None = None,
     record_prefix: SharedPrefixKV | None = None,
     after_prefix: SharedPrefixKV | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Transformers' SDPA attention ``[B, Q, H, D]`` with the shared-prefix hooks (arguments as
-    :func:`decode_attention`)."""
-    if record_prefix is not None:
-        record_prefix.record(module.layer_idx, key, value)
-    if after_prefix is not None:
-        key, value, attention_mask = after_prefix.prepend(module.layer_idx, key, value, attention_mask,
-                                                          query.shape[2])
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
-
-
-def decode_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    record_prefix: SharedPrefixKV | None = None,
-    after_prefix: SharedPrefixKV | None = None,
+    decode_matmul: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention output ``[B, Q, H, D]`` for ``query [B, H, Q, D]`` and ``key``/``value [B, H_kv, L, D]``.
 
     ``attention_mask`` is SDPA's: boolean ``[B, 1, Q, L]`` (True = attend) or additive, or None.
     ``record_prefix``: keep this layer's keys and values as a shared prefix's; ``after_prefix``: attend to that
-    prefix ahead of ``key``/``value`` (:class:`SharedPrefixKV`).
+    prefix ahead of ``key``/``value`` (:class:`SharedPrefixKV`). ``decode_matmul``: a one-token query without
+    dropout, softcap or position bias is computed by two matmuls over the grouped heads; everything else by
+    transformers' SDPA.
     """
+    if record_prefix is not None:
+        record_prefix.record(module.layer_idx, key, value)
+    if after_prefix is not None:
+        key, value, attention_mask = after_prefix.prepend(module.layer_idx, key, value, attention_mask,
+                                                          query.shape[2])
     batch, heads, q_len, dim = query.shape
-    if (q_len != 1 or dropout or record_prefix is not None or after_prefix is not None
-            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None):
-        return prefix_attention(module, query, key, value, attention_mask, dropout, scaling, record_prefix,
-                                after_prefix, **kwargs)
+    if (not decode_matmul or q_len != 1 or dropout or kwargs.get("softcap") is not None
+            or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     kv_heads, length = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else dim**-0.5
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h reads kv head h // (H / H_kv)
@@ -123,6 +110,9 @@ def decode_attention(
     probs = scores.softmax(dim=-1).to(value.dtype)
     return torch.matmul(probs, value).reshape(batch, 1, heads, dim), None
 
+
+prefix_attention = functools.partial(bridge_attention, decode_matmul=False)  # ``sdpa_prefix``
+decode_attention = functools.partial(bridge_attention, decode_matmul=True)  # ``sdpa_decode``
 
 for _name, _forward in ((NAME, prefix_attention), (DECODE_NAME, decode_attention)):
     AttentionInterface.register(_name, _forward)

@@ -55,3 +55,14 @@ def test_the_design_layout_lists_the_files_of_the_tree():
             and name.count("/") <= (3 if name.startswith("bridge_pl/") else 2)]
     assert sorted(name for name in code if Path(name).name not in listed) == []
     assert sorted(name for name in listed if not any(Path(t).name == name for t in kept)) == []
+
+
+def test_each_study_has_its_question_command_and_one_results_table():
+    studies = sorted((ROOT / "experiments").glob("*/README.md"))
+    assert len(studies) >= 2
+    for readme in studies:
+        text = readme.read_text()
+        assert "**Question.**" in text and "```bash" in text, readme
+        results = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+        assert sum(line.startswith("|---") for line in results.splitlines()) == 1, f"{readme}: one results table"
+    assert not [p for p in (ROOT / "benchmarks/results").iterdir() if "superseded" in p.read_text(errors="ignore")]

@@ -76,9 +76,8 @@ class BridgeProgressBar(_BASE):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if self.plain and not trainer.sanity_checking:
-            plain_line(evaluation_line("val", f"validation after iteration {trainer.global_step}",
-                                       trainer.callback_metrics, time.perf_counter() - self._started))
+        if not trainer.sanity_checking:
+            self._evaluated(trainer, "val", f"validation after iteration {trainer.global_step}")
         self._started = time.perf_counter()
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -87,9 +86,11 @@ class BridgeProgressBar(_BASE):
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_test_end(trainer, pl_module)
+        self._evaluated(trainer, "test", f"test at iteration {trainer.global_step}")
+
+    def _evaluated(self, trainer: L.Trainer, stage: str, what: str) -> None:
         if self.plain:
-            plain_line(evaluation_line("test", f"test at iteration {trainer.global_step}", trainer.callback_metrics,
-                                       time.perf_counter() - self._started))
+            plain_line(evaluation_line(stage, what, trainer.callback_metrics, time.perf_counter() - self._started))
 
 
 def iteration_line(done: int, total: int, metrics: dict, seconds: float) -> str:

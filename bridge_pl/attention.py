@@ -1,25 +1,31 @@
-"""``sdpa_decode``: PyTorch SDPA attention, except single-token decode steps, which use two small matmuls.
+"""The policy's attention: PyTorch SDPA with a shared training prefix, and opt-in matmul decode steps.
 
-On CPU, ``scaled_dot_product_attention`` with a one-token query (transformers folds the grouped-query heads
-into a query of length ``n_heads / n_kv_heads``) runs a flash kernel built for long queries: when no row is
-padded (transformers then passes no mask) it took 61 % of a decode step in a profile of the demo's policy
-(``benchmarks/decode_attention_bench.py`` times both). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched
-matmul over the grouped heads, a float32 softmax and a second matmul do it without copying the cache.
-Every other call (prefill, an observation fed to the cache, training forwards of more than one new token) goes to
-transformers' SDPA.
-
-It is also where a training forward's shared prefix is recorded and read (:class:`SharedPrefixKV`): the keys and
+``sdpa_prefix`` (what :class:`~bridge_pl.policy.Policy` sets on SDPA models) is transformers' SDPA attention plus
+the place where a training forward's shared prefix is recorded and read (:class:`SharedPrefixKV`): the keys and
 values of the leading tokens every row has, run once, are put ahead of each row's own.
+
+``sdpa_decode`` (``Policy(decode_matmul=True)``) also runs single-token decode steps as two small matmuls. On CPU,
+``scaled_dot_product_attention`` with a one-token query (transformers folds the grouped-query heads into a query
+of length ``n_heads / n_kv_heads``) runs a flash kernel built for long queries, which is slow when no row is padded
+(transformers then passes no mask). A decode step is ``[B, H, 1, D] x [B, H_kv, L, D]``; a batched matmul over the
+grouped heads, a float32 softmax and a second matmul do it without copying the cache. It is faster per unpadded
+decode step on CPU (2.3-2.9x unpadded, 1.1-1.2x padded, at the demo's 32 rows x 250 cached tokens), but whole
+rollouts at the demo's shape sampled 0.83-0.98x the tokens/s of plain SDPA with it (``benchmarks/rollout_bench.py``),
+and on CUDA it would replace the fused kernels; so it is off by default (``benchmarks/decode_attention_bench.py``
+times both side by side).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-NAME = "sdpa_decode"
+NAME = "sdpa_prefix"  # SDPA + SharedPrefixKV: the policy's default on SDPA models
+DECODE_NAME = "sdpa_decode"  # the same, with one-token decode steps as two matmuls (opt-in)
 MIN_SHARED_PREFIX = 16  # shorter prefixes shared by every row are not worth a separate forward
 
 
@@ -64,7 +70,7 @@ class SharedPrefixKV:
         return key, value, torch.cat([seen, attention_mask], dim=-1)
 
 
-def decode_attention(
+def bridge_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -74,13 +80,16 @@ def decode_attention(
     scaling: float | None = None,
     record_prefix: SharedPrefixKV | None = None,
     after_prefix: SharedPrefixKV | None = None,
+    decode_matmul: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention output ``[B, Q, H, D]`` for ``query [B, H, Q, D]`` and ``key``/``value [B, H_kv, L, D]``.
 
     ``attention_mask`` is SDPA's: boolean ``[B, 1, Q, L]`` (True = attend) or additive, or None.
     ``record_prefix``: keep this layer's keys and values as a shared prefix's; ``after_prefix``: attend to that
-    prefix ahead of ``key``/``value`` (:class:`SharedPrefixKV`).
+    prefix ahead of ``key``/``value`` (:class:`SharedPrefixKV`). ``decode_matmul``: a one-token query without
+    dropout, softcap or position bias is computed by two matmuls over the grouped heads; everything else by
+    transformers' SDPA.
     """
     if record_prefix is not None:
         record_prefix.record(module.layer_idx, key, value)
@@ -88,7 +97,8 @@ def decode_attention(
         key, value, attention_mask = after_prefix.prepend(module.layer_idx, key, value, attention_mask,
                                                           query.shape[2])
     batch, heads, q_len, dim = query.shape
-    if q_len != 1 or dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+    if (not decode_matmul or q_len != 1 or dropout or kwargs.get("softcap") is not None
+            or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     kv_heads, length = key.shape[1], key.shape[2]
@@ -102,11 +112,17 @@ def decode_attention(
     return torch.matmul(probs, value).reshape(batch, 1, heads, dim), None
 
 
-AttentionInterface.register(NAME, decode_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+prefix_attention = functools.partial(bridge_attention, decode_matmul=False)  # ``sdpa_prefix``
+decode_attention = functools.partial(bridge_attention, decode_matmul=True)  # ``sdpa_decode``
+
+for _name, _forward in ((NAME, prefix_attention), (DECODE_NAME, decode_attention)):
+    AttentionInterface.register(_name, _forward)
+    AttentionMaskInterface.register(_name, sdpa_mask)
+ATTENTIONS = (NAME, DECODE_NAME)  # the implementations that record and read a SharedPrefixKV
 
 
-def use_decode_attention(model) -> None:
-    """Switch a transformers model that runs SDPA attention to ``sdpa_decode`` (others are left alone)."""
+def use_bridge_attention(model, decode_matmul: bool = False) -> None:
+    """Switch a transformers model that runs SDPA attention to ``sdpa_prefix``, or with ``decode_matmul`` to
+    ``sdpa_decode`` (models with another attention are left alone)."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        model.set_attn_implementation(NAME)
+        model.set_attn_implementation(DECODE_NAME if decode_matmul else NAME)

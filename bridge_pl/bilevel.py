@@ -56,11 +56,8 @@ class BilevelProblem(Protocol):
     def refresh_teacher(self) -> None:
         """Recompute the teacher Q(θ) of :meth:`lower_loss` with the current θ (after a policy step)."""
 
-    def coupling_loss(self, lam: float) -> torch.Tensor:
-        """A scalar whose θ-gradient is λ (∇θ G(θ, φ) − ∇θ G(θ, ψ)), using the same samples for both."""
-
     def coupling_loss_parts(self, lam: float) -> Iterator[torch.Tensor]:
-        """:meth:`coupling_loss` as micro-batch terms that sum to it."""
+        """Micro-batch terms whose sum's θ-gradient is λ (∇θ G(θ, φ) − ∇θ G(θ, ψ)), the same samples for both."""
 
 
 @dataclass
@@ -333,12 +330,6 @@ class BridgeSolver(Solver):
             logs["grad_norm/phi"] = updates.phi.step(loss, lr_scale=1.0 / (1.0 + lam))
         return logs
 
-    def hypergradient(self, problem: BilevelProblem) -> list[torch.Tensor]:
-        """The first-order θ-gradient estimate ∇θF + λ(∇θG(θ,φ) − ∇θG(θ,ψ)) at the current φ, ψ."""
-        params = problem.policy_parameters()
-        loss = problem.policy_loss() + problem.coupling_loss(self.lam.value)
-        return list(torch.autograd.grad(loss, params))
-
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
         logs = self.inner_steps(problem, updates)
         lam = self.lam.value
@@ -407,11 +398,6 @@ class ImplicitSolver(Solver):
         p = self.inverse_hvp(problem, v)
         grads = torch.autograd.grad(problem.lower_loss("phi", detach_teacher=False), phi, create_graph=True)
         return -sum(((g * q).sum() for g, q in zip(grads, p) if g.requires_grad), phi[0].new_zeros(()))
-
-    def hypergradient(self, problem: BilevelProblem) -> list[torch.Tensor]:
-        params = problem.policy_parameters()
-        loss = problem.policy_loss() + self.correction_loss(problem)
-        return list(torch.autograd.grad(loss, params, allow_unused=True))
 
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
         logs = self._phi_steps_on_lower(problem, updates)

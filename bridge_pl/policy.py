@@ -22,8 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bridge_pl.attention import MIN_SHARED_PREFIX, SharedPrefixKV, use_decode_attention
-from bridge_pl.attention import NAME as SHARED_PREFIX_ATTENTION
+from bridge_pl.attention import ATTENTIONS, MIN_SHARED_PREFIX, SharedPrefixKV, use_bridge_attention
 from bridge_pl.distributed import (
     call_under_root,
     decoder_layers,
@@ -101,7 +100,8 @@ class Policy(nn.Module):
     """Causal-LM policy π_θ.
 
     Args:
-        model: registry name (``tiny-llama``, ``smollm2-135m-instruct``), local HF folder or cached HF id.
+        model: required: a registry name (``smollm2-135m-instruct``, the packaged policy; ``tiny-llama``, a
+            random-init test model), a local HF folder or a cached HF id.
         lora: train LoRA adapters (default) instead of all weights.
         lora_r, lora_alpha, lora_dropout, target_modules: peft LoRA settings
             (``target_modules="all-linear"`` or a list of module names).
@@ -119,6 +119,9 @@ class Policy(nn.Module):
             the loaded policy is the KL reference (see :meth:`rebase_reference`).
         merged_generation: rollouts and evaluations generate with each LoRA delta merged into its base weight
             (:meth:`generation_model`), not through peft's float32 side path; False: through the adapters.
+        decode_matmul: run one-token decode steps as two matmuls over the grouped heads instead of SDPA
+            (``sdpa_decode``, :mod:`bridge_pl.attention`): faster per step on CPU when no row is padded, not over
+            whole rollouts (``benchmarks/decode_attention_bench.py``); off by default.
 
     The KL reference is the policy RL starts from: the base model (adapter off) for a fresh adapter, or the
     warm-started / loaded policy after :meth:`rebase_reference`.
@@ -126,7 +129,7 @@ class Policy(nn.Module):
 
     def __init__(
         self,
-        model: str = "tiny-llama",
+        model: str,
         lora: bool = True,
         lora_r: int = 8,
         lora_alpha: int = 16,
@@ -138,6 +141,7 @@ class Policy(nn.Module):
         gradient_checkpointing: bool = False,
         adapter: str | None = None,
         merged_generation: bool = True,
+        decode_matmul: bool = False,
     ) -> None:
         super().__init__()
         if dtype != "auto" and dtype not in _DTYPES:
@@ -160,7 +164,7 @@ class Policy(nn.Module):
         if load_in_4bit:
             kwargs = self._quantization_kwargs(self.weight_dtype)
         base = load_causal_lm(model, dtype=self.weight_dtype, **kwargs)
-        use_decode_attention(base)  # SDPA, but a matmul path for one-token decode steps (bridge_pl.attention)
+        use_bridge_attention(base, decode_matmul)  # SDPA with the shared training prefix (bridge_pl.attention)
         if gradient_checkpointing:
             enable_activation_checkpointing(base)
         self.reference: nn.Module | None = None  # full fine-tuning: frozen copy of the reference weights
@@ -479,7 +483,7 @@ class Policy(nn.Module):
         rows, width = input_ids.shape
         positions_as_default = position_ids is None  # what a 2-D mask needs; a 4-D one comes with its positions
         if (rows < 2 or is_sharded(self.model) or positions_as_default != (attention_mask.dim() == 2)
-                or getattr(hf.config, "_attn_implementation", None) != SHARED_PREFIX_ATTENTION
+                or getattr(hf.config, "_attn_implementation", None) not in ATTENTIONS
                 or not _full_attention_only(hf.config)):
             return 0
         leading = (input_ids == input_ids[:1]).all(0)
@@ -500,24 +504,14 @@ class Policy(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         micro_batch: int = 8,
-        reference: bool = False,
         temperature: float = 1.0,
     ) -> torch.Tensor:
-        """``[B, T]`` log-probs without grad at ``temperature``, ``micro_batch`` rows at a time (bounded memory).
-
-        ``reference=True`` scores under the reference policy (:meth:`reference_mode`).
-        """
-        context = self.reference_mode() if reference else contextlib.nullcontext(None)
+        """``[B, T]`` log-probs without grad at ``temperature``, ``micro_batch`` rows at a time (bounded memory)."""
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        with context as model:
-            for start in range(0, input_ids.shape[0], micro_batch):
-                rows = slice(start, start + micro_batch)
-                out[rows] = self(input_ids[rows], attention_mask[rows], temperature=temperature, model=model)[0]
+        for start in range(0, input_ids.shape[0], micro_batch):
+            rows = slice(start, start + micro_batch)
+            out[rows] = self(input_ids[rows], attention_mask[rows], temperature=temperature)[0]
         return out
-
-    def reference_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` log-probs under the reference policy, without grad."""
-        return self.logprobs(input_ids, attention_mask, reference=True)
 
     def branch_loglik(self, sequences: Sequence[BranchedSequence], token_budget: int = 4096) -> torch.Tensor:
         """Mean log-prob of the target after each branch: ``[N, K]`` for N sequences of K branches each.

@@ -398,10 +398,6 @@ class RLProblem:
             self._credit_graph = None  # built by the old θ
             self.lm_scores = self._lm_scores()
 
-    def coupling_loss(self, lam: float) -> torch.Tensor:
-        zero = torch.zeros((), dtype=torch.float32, device=self.batch.input_ids.device)
-        return sum(self.coupling_loss_parts(lam), zero)
-
     @torch.no_grad()
     def coupling_search_weights(self, lam: float) -> torch.Tensor | None:
         """``[S', K']`` the coupling's weight on ℓ_θ(d) of each credit search's candidates, w_s(d) / S'.

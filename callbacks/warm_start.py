@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import lightning as L
 import torch
@@ -14,6 +15,7 @@ from bridge_pl.rewards import exact_match
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
 from bridge_pl.warm_start import demonstration_segments, sft_loss, tokenize_demonstration
+from callbacks.progress import plain_line, stdout_is_terminal
 
 
 class WarmStart(L.Callback):
@@ -85,7 +87,9 @@ class WarmStart(L.Callback):
         optimizer = torch.optim.AdamW(params, lr=self.lr)
         was_training = policy.training
         policy.train()
-        bar = tqdm(range(self.steps), desc="warm start", disable=not trainer.is_global_zero)
+        plain = not stdout_is_terminal()  # a log file gets one line per step instead of a bar
+        bar = tqdm(range(self.steps), desc="warm start", disable=plain or not trainer.is_global_zero)
+        started = time.perf_counter()
         for step in bar:
             demos = []
             for example in rng.sample(examples, self.batch_size):
@@ -101,6 +105,10 @@ class WarmStart(L.Callback):
             torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
             optimizer.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
+            if plain:
+                plain_line(f"WarmStart: step {step + 1}/{self.steps}, loss {loss.item():.3f}, "
+                           f"{time.perf_counter() - started:.1f} s")
+                started = time.perf_counter()
             if trainer.logger is not None:
                 trainer.logger.log_metrics({"warm_start/loss": loss.item()}, step=step)
         policy.train(was_training)

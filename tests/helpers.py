@@ -15,9 +15,9 @@ TINY = str(CONFIGS / "tiny.yaml")
 STEER = 50.0
 
 
-def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+def load_script(folder: str, name: str):
+    """The script ``<folder>/<name>.py`` (``benchmarks`` or ``experiments``, which are not packages) as a module."""
+    path = Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,10 +1,11 @@
-"""``sdpa_decode``: the matmul path for one-token queries equals transformers' SDPA attention."""
+"""The policy's attention: ``sdpa_prefix`` by default, and ``sdpa_decode``'s opt-in matmul path for one-token queries,
+which equals transformers' SDPA attention."""
 
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from bridge_pl.attention import NAME, decode_attention
+from bridge_pl.attention import DECODE_NAME, NAME, decode_attention
 from bridge_pl.models import load_causal_lm
 from bridge_pl.policy import Policy
 
@@ -38,9 +39,11 @@ def test_longer_queries_go_to_sdpa_unchanged():
     assert torch.equal(ours, theirs)
 
 
-def test_the_policy_decodes_with_it_and_greedy_tokens_match_sdpa():
-    policy = Policy("tiny-llama", dtype="float32")
-    assert policy.hf_model.config._attn_implementation == NAME
+@pytest.mark.parametrize(("decode_matmul", "implementation"), [(False, NAME), (True, DECODE_NAME)])
+def test_the_policy_decodes_with_its_attention_and_greedy_tokens_match_sdpa(decode_matmul, implementation):
+    """The matmul decode path is opt-in; either way greedy decoding gives SDPA's tokens."""
+    policy = Policy("tiny-llama", dtype="float32", decode_matmul=decode_matmul)
+    assert policy.hf_model.config._attn_implementation == implementation
     plain = load_causal_lm("tiny-llama").eval()
     assert plain.config._attn_implementation == "sdpa"
     ids = torch.tensor([[0, 0, 5, 9, 13], [3, 8, 2, 7, 11]])

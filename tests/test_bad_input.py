@@ -84,6 +84,14 @@ def test_a_bad_option_is_named_before_anything_runs(tmp_path, capfd, args, messa
     assert "Loading weights" not in text  # transformers' load progress: no model was loaded
 
 
+def test_a_policy_without_a_model_is_named(tmp_path, capfd):
+    """The policy's model has no default: a config that leaves it out must not train a random-init model."""
+    config = tmp_path / "no_model.yaml"
+    config.write_text(open(TINY).read().replace("      model: tiny-llama\n", ""))
+    text = _run(tmp_path, capfd, "--config", str(config))
+    assert "model.policy" in text and "required: model" in text
+
+
 def test_a_good_config_does_load_weights(tmp_path, capfd):
     """The counterpart of the check above: an accepted config does print transformers' load progress."""
     from helpers import tiny_cli

@@ -1,4 +1,4 @@
-"""benchmarks/compare_modes.py end to end on the tiny config (one warm start per seed, table, plot, resume) and its
+"""experiments/compare_modes.py end to end on the tiny config (one warm start per seed, table, plot, resume) and its
 statistics against hand-computed numbers."""
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from helpers import TINY, load_benchmark
+from helpers import TINY, load_script
 
 
 def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path, capsys):
@@ -19,12 +19,12 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
             "--data.test={world_test: world/test}", "--trainer.val_check_interval=1",
             "--trainer.callbacks+=callbacks.WarmStart", "--trainer.callbacks.steps=2",
             "--trainer.callbacks.batch_size=2", "--trainer.callbacks.evaluate=false"]
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     compare_modes.main(argv)
     table = (tmp_path / "out/compare_modes.md").read_text()
     assert "| frozen |" in table and "| bridge |" in table and "--max-steps 1" in table
     assert (tmp_path / "out/compare_modes_dev_em.png").stat().st_size > 0
-    records = tmp_path / "out/compare_modes_runs"
+    records = tmp_path / "out/records"
     warm = json.loads((records / "warm_seed0.json").read_text())
     assert (Path(warm["adapter"]) / "adapter_config.json").is_file()
     assert warm["setup"]["max_steps"] == 1 and "--trainer.val_check_interval=1" in warm["setup"]["overrides"]
@@ -59,11 +59,11 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
 
 
 def test_a_warm_start_that_does_not_reproduce_its_record_stops_the_comparison(tmp_path):
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     argv = ["--config", TINY, "--modes", "frozen", "--seeds", "0", "--max-steps", "1", "--runs", str(tmp_path / "runs"),
             "--out", str(tmp_path / "out"), "--trainer.callbacks+=callbacks.WarmStart", "--trainer.callbacks.steps=1",
             "--trainer.callbacks.batch_size=2", "--trainer.callbacks.evaluate=false"]
-    records = tmp_path / "out/compare_modes_runs"
+    records = tmp_path / "out/records"
     args, overrides = compare_modes.parse_args(argv)
     records.mkdir(parents=True)
     # a record from another machine whose warm start reached a dev EM this one cannot (above 1)
@@ -86,7 +86,7 @@ class CrashAtIteration(L.Callback):
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_uninterrupted_record(tmp_path, monkeypatch):
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     records = tmp_path / "records"
 
     def worker(runs: str) -> list[str]:  # one frozen step of a config without a warm start, validated every iteration
@@ -130,7 +130,7 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_uninterrupted_rec
 def test_a_worker_imports_the_code_of_the_checkout_that_runs_it(tmp_path, monkeypatch):
     """Run from a second worktree, a worker must train with that worktree's ``bridge_pl`` and ``callbacks`` (the
     commit its record names), not the ones the environment has installed."""
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     checkout = tmp_path / "worktree"
     for package in ("bridge_pl", "callbacks"):
         (checkout / package).mkdir(parents=True)
@@ -161,7 +161,7 @@ def frozen_record(setup: dict) -> dict:
 
 
 def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     records = tmp_path / "records"
     argv = ["--modes", "frozen", "bridge", "--seeds", "0", "1", "--table-only", "--records", str(records),
             "--out", str(tmp_path / "out")]
@@ -177,26 +177,22 @@ def test_table_only_reports_the_finished_runs_and_names_the_missing(tmp_path):
     assert "--table-only" not in table  # the command shown is the one that makes the runs
 
 
-@pytest.mark.parametrize(("budget", "records", "frozen_seeds"), [
-    (["--max-steps", "8", "--trainer.val_check_interval=4"], "compare_modes_runs", 3),
-    # made a few runs per session: as many seeds as the folder holds so far, at least one
-    (["--max-steps", "24", "--trainer.val_check_interval=8"], "compare_modes_24/compare_modes_runs", None),
-])
-def test_the_committed_records_still_match_their_config(tmp_path, budget, records, frozen_seeds):
-    """The README's tables are rebuilt from the committed records, which are keyed by a digest of what the runs use of
-    ``configs/demo.yaml``: an edit to that makes every record refused (delete them on purpose, or leave it)."""
-    compare_modes = load_benchmark("compare_modes")
-    folder = Path(__file__).resolve().parents[1] / "benchmarks/results" / records
-    frozen_seeds = frozen_seeds or len(list(folder.glob("frozen_seed*.json")))
-    assert frozen_seeds > 0, f"no frozen records in {folder}"
-    compare_modes.main([*budget, "--table-only", "--records", str(folder), "--out", str(tmp_path)])
-    assert f"| frozen | {frozen_seeds} |" in (tmp_path / "compare_modes.md").read_text()
+def test_the_committed_records_rebuild_their_table_from_their_own_config(tmp_path):
+    """The study's records are keyed by a digest of its own config copy (``experiments/mode_comparison/demo.yaml``),
+    so editing ``configs/demo.yaml`` does not refuse them; the table rebuilt from them matches the committed one."""
+    compare_modes = load_script("experiments", "compare_modes")
+    study = Path(__file__).resolve().parents[1] / "experiments/mode_comparison"
+    compare_modes.main(["--config", str(study / "demo.yaml"), "--max-steps", "24", "--trainer.val_check_interval=8",
+                        "--table-only", "--records", str(study / "records"), "--out", str(tmp_path)])
+    rebuilt = (tmp_path / "compare_modes.md").read_text()
+    assert "| frozen | 3 |" in rebuilt and "| bridge > frozen |" in rebuilt
+    assert rebuilt.split("\n| mode |", 1)[1] == (study / "compare_modes.md").read_text().split("\n| mode |", 1)[1]
 
 
 def test_a_warm_start_that_does_not_reproduce_names_the_machines(tmp_path, monkeypatch):
     """The usual cause is another CPU: without AVX512-BF16/AMX the policy's default ``auto`` dtype is float32, not
     bfloat16."""
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     args, _ = compare_modes.parse_args(["--records", str(tmp_path / "records"), "--runs", str(tmp_path / "runs")])
     elsewhere = {"cpu": "Intel Xeon", "auto_dtype": "bfloat16", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
     record = compare_modes.record_path(args, compare_modes.WARM, 0)
@@ -210,14 +206,14 @@ def test_a_warm_start_that_does_not_reproduce_names_the_machines(tmp_path, monke
 
 
 def test_the_table_names_the_runs_that_were_resumed():
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     resumed = {**frozen_record({}), "seed": 1, "segments": [{"from_step": 0}, {"from_step": 5}]}
     assert compare_modes.resumed_runs({"frozen": [frozen_record({}), resumed]}).endswith(": frozen seed 1 (2 parts).")
     assert compare_modes.resumed_runs({"frozen": [frozen_record({})]}) == ""
 
 
 def test_a_record_made_before_the_config_was_edited_is_refused(tmp_path):
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     config = tmp_path / "config.yaml"
     config.write_text(Path(TINY).read_text())
     records = tmp_path / "records"
@@ -245,7 +241,7 @@ def test_a_value_the_command_replaces_may_change_under_a_record(tmp_path):
     """``--max-steps`` and ``--trainer.x=`` overrides set those keys for every run, so the demo's own iteration count
     and validation interval may change without refusing the comparison's records; a key no override sets still
     counts."""
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     config = tmp_path / "config.yaml"
     config.write_text(Path(TINY).read_text())
     records = tmp_path / "records"
@@ -264,7 +260,7 @@ def test_a_value_the_command_replaces_may_change_under_a_record(tmp_path):
 
 
 def test_paired_difference_and_verdict_by_hand():
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     # differences 0.1, 0.3, 0.2 (seed 3 only in a: unpaired): mean 0.2, sample std 0.1, SE 0.1 / √3
     mean, se, n = compare_modes.paired_difference({0: 0.5, 1: 0.6, 2: 0.4, 3: 0.9}, {0: 0.4, 1: 0.3, 2: 0.2})
     assert (n, round(mean, 12), round(se, 12)) == (3, 0.2, round(0.1 / math.sqrt(3), 12))
@@ -290,7 +286,7 @@ def test_paired_difference_and_verdict_by_hand():
 
 def test_equal_seed_differences_still_carry_the_question_sampling_error():
     """Three seeds that differ by the same 1 of 4 questions: SE over seeds 0, but the four questions are a sample."""
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     a = {s: {"q1": 1.0, "q2": 1.0, "q3": 0.0, "q4": 0.0} for s in range(3)}
     b = {s: {"q1": 1.0, "q2": 0.0, "q3": 0.0, "q4": 0.0, "extra": 1.0} for s in range(3)}  # "extra": unpaired
     mean, se, n = compare_modes.paired_difference({s: 0.5 for s in a}, {s: 0.25 for s in b})
@@ -308,7 +304,7 @@ def test_equal_seed_differences_still_carry_the_question_sampling_error():
 
 
 def test_predictions_summary_counts_answers_without_a_search(tmp_path):
-    compare_modes = load_benchmark("compare_modes")
+    compare_modes = load_script("experiments", "compare_modes")
     search = {"query": "Kigix Society", "titles": ["Kigix Society"], "ids": ["w00530"]}
     rows = [{"id": "q1", "em": 1.0, "searches": [search]}, {"id": "q2", "em": 0.0, "searches": []},
             {"id": "q3", "em": 1.0, "searches": []}, {"id": "q4", "em": 0.0, "searches": [search, search]}]

@@ -1,7 +1,7 @@
-"""benchmarks/dev_by_type.py: counting searches that repeat an earlier query of the same trajectory, and EM split by
+"""experiments/dev_by_type.py: counting searches that repeat an earlier query of the same trajectory, and EM split by
 whether a gold passage of every hop was shown."""
 
-from helpers import load_benchmark
+from helpers import load_script
 
 
 def test_repeated_queries_counts_later_searches_per_record():
@@ -11,7 +11,7 @@ def test_repeated_queries_counts_later_searches_per_record():
         {"searches": [{"query": "b"}]},  # no later search; "b" of the record above does not count
         {"searches": []},
     ]
-    assert load_benchmark("dev_by_type").repeated_queries(records) == (1, 3)
+    assert load_script("experiments", "dev_by_type").repeated_queries(records) == (1, 3)
 
 
 def test_em_by_gold_shown_needs_a_gold_passage_of_every_hop_over_all_searches():
@@ -24,5 +24,5 @@ def test_em_by_gold_shown_needs_a_gold_passage_of_every_hop_over_all_searches():
         {"id": "c", "em": 0.0, "searches": []},  # no search: not shown
         {"id": "e", "em": 1.0, "searches": [{"ids": ["p6"]}]},  # one hop of two: not shown
     ]
-    assert load_benchmark("dev_by_type").em_by_gold_shown(records, gold) == {"shown": (2, 0.5),
+    assert load_script("experiments", "dev_by_type").em_by_gold_shown(records, gold) == {"shown": (2, 0.5),
                                                                              "not shown": (3, 2 / 3)}

@@ -15,6 +15,8 @@ import pytest
 import torch
 from helpers import TINY
 
+pytestmark = pytest.mark.slow  # multi-process or subprocess fits: `make test-fast` leaves them out
+
 TESTS = Path(__file__).parent
 COMMON = [
     "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.enable_checkpointing=true",

@@ -23,6 +23,8 @@ from helpers import fit_tiny, tiny_cli
 from bridge_pl.rollout.batch import RolloutBatch
 from callbacks.checkpoint import ValidatedCheckpoint
 
+pytestmark = pytest.mark.slow  # multi-process or subprocess fits: `make test-fast` leaves them out
+
 MODES = ["frozen", "policy_first", "retriever_first", "bridge", "implicit"]
 DDP_MODES = ["frozen", "bridge"]
 COMMON = ("--data.reward=plugins.DistinctWordsReward", "--model.rl.loss_agg=seq-mean-token-mean",

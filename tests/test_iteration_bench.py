@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # multi-process or subprocess fits: `make test-fast` leaves them out
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

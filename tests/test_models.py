@@ -6,7 +6,7 @@ import torch
 from bridge_pl import models
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "smollm2-135m-instruct"])
+@pytest.mark.parametrize("name", ["tiny-llama", pytest.param("smollm2-135m-instruct", marks=pytest.mark.slow)])
 def test_causal_lms_load_offline(name):
     model = models.load_causal_lm(name)
     tok = models.load_tokenizer(name)
@@ -18,6 +18,7 @@ def test_causal_lms_load_offline(name):
     assert tok.pad_token_id is not None
 
 
+@pytest.mark.slow
 def test_smollm2_is_the_real_pretrained_model():
     model = models.load_causal_lm("smollm2-135m-instruct")
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
@@ -25,7 +26,7 @@ def test_smollm2_is_the_real_pretrained_model():
     assert (models.resolve_model("smollm2-135m-instruct") / "model.safetensors").exists()  # converted once
 
 
-@pytest.mark.parametrize("name", ["tiny-bert", "minilm-l6"])
+@pytest.mark.parametrize("name", ["tiny-bert", pytest.param("minilm-l6", marks=pytest.mark.slow)])
 def test_encoders_load_offline(name):
     model = models.load_encoder(name)
     tok = models.load_tokenizer(name)

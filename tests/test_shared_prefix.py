@@ -60,7 +60,9 @@ def test_a_shared_prefix_gives_each_rows_own_logprobs_and_gradient(checkpointing
     alone = [_loss_and_grads(policy, ids[r : r + 1], attn[r : r + 1], score[r : r + 1]) for r in range(3)]
     handle.remove()
     assert shared_tokens == 20 + 3 * (ids.shape[1] - 20)  # the prefix once, then each row's remainder
-    assert sum(seen) == 3 * ids.shape[1]  # a single row has nothing to share
+    # a single row has nothing to share: each runs in full (again in the backward's recompute, where the installed
+    # transformers checkpoints above the layer's hooks)
+    assert set(seen) == {ids.shape[1]} and len(seen) in (3, 6)
     assert torch.allclose(logp, torch.cat([lp for lp, _ in alone]), atol=1e-5)
     assert torch.allclose(grads, sum(gr for _, gr in alone), atol=1e-5, rtol=1e-4)
 

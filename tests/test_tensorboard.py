@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import TINY, load_benchmark
+from helpers import TINY, load_script
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from bridge_pl.cli import BridgeCLI
@@ -83,9 +83,9 @@ def test_validate_from_a_checkpoint_logs_at_its_iteration(tiny_run, tmp_path):
 
 
 def test_timeline_charges_the_whole_span_to_phases(tiny_run):
-    """benchmarks/demo_timeline.py on a real run: warm start, evaluations and the iterations' split add up."""
+    """experiments/demo_timeline.py on a real run: warm start, evaluations and the iterations' split add up."""
     _, log_dir, _ = tiny_run
-    seconds = load_benchmark("demo_timeline").timeline(log_dir)
+    seconds = load_script("experiments", "demo_timeline").timeline(log_dir)
     assert {"warm start", "evaluation", "iteration: rollout", "iteration: update", "iteration: other"} <= seconds.keys()
     assert all(seconds[p] > 0 for p in ("warm start", "evaluation", "iteration: rollout", "iteration: update"))
     assert sum(v for p, v in seconds.items() if p != "span") == pytest.approx(seconds["span"])

@@ -12,7 +12,7 @@ other chunks of the same entity reuse the question's words ("X had a child, Y, w
 some leads paraphrase them away ("A native of Z, X ..."), people share first names and surnames (a
 child carries the parent's), cities come in families with a shared stem (Velmar / Velmin), and half the
 organisations are named after a city that is not their seat. Untrained all-MiniLM-L6-v2 on dev+test
-(seed 0, ``benchmarks/world_recall.py``): single-hop recall@1/3/10 = 0.34 / 0.67 / 1.00.
+(seed 0): single-hop recall@1/3/10 = 0.34 / 0.67 / 1.00.
 
 Questions (``metadata["type"]``):
 

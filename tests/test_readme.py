@@ -51,7 +51,7 @@ def test_the_make_targets_exist():
     assert used and used <= targets
 
 
-@pytest.mark.parametrize("words", [w for w in _commands() if w[:2] != ["bridge-pl", "world"] and w[0] == "bridge-pl"],
+@pytest.mark.parametrize("words", [w for w in _commands() if w[0] == "bridge-pl" and w[1] not in ("world", "index")],
                          ids=lambda words: " ".join(words[1:4]))
 def test_a_bridge_pl_command_parses(words, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths are relative to the checkout, as a user runs them
@@ -60,6 +60,16 @@ def test_a_bridge_pl_command_parses(words, capsys, monkeypatch):
         main([*args, "--print_config"])
     assert exit_info.value.code in (0, None), capsys.readouterr().err
     assert "model:" in capsys.readouterr().out
+
+
+def test_the_index_commands_parse():
+    """``bridge-pl index`` commands (building encodes a whole corpus: parsed here, run by tests/test_index_build.py)."""
+    from bridge_pl.index_cli import _parser
+
+    commands = [w for w in _commands() if w[:2] == ["bridge-pl", "index"]]
+    assert commands
+    for words in commands:
+        assert _parser().parse_args(words[2:]).command == words[2]
 
 
 def test_the_world_command_runs(tmp_path, monkeypatch):

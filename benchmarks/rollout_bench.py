@@ -67,7 +67,7 @@ def warm_start(cli: BridgeCLI, steps: int) -> None:
         return
     warm[0].steps, warm[0].evaluate = steps, False
     cli.trainer.callbacks[:] = warm
-    cli.trainer.fit_loop.max_steps = 0
+    cli.trainer.fit_loop.epoch_loop.max_steps = 0  # on_fit_start (the warm start) runs, no RL step
     cli.trainer.fit(cli.model, cli.datamodule)
 
 
@@ -113,7 +113,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+    cli = BridgeCLI(args=["--config", args.config, "--trainer.logger=false",
                           f"--trainer.default_root_dir={ROOT / 'runs' / 'rollout_bench'}", *overrides], run=False)
     module, data = cli.model, cli.datamodule
     data.trainer = cli.trainer

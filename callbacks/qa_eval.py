@@ -34,7 +34,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from bridge_pl.credit_analysis import trajectory_searches
 from bridge_pl.data.qa import Passage
-from bridge_pl.rewards import exact_match, f1_score
+from bridge_pl.rewards import answer_scores
 from bridge_pl.rollout.batch import RolloutBatch
 
 
@@ -51,15 +51,17 @@ def prediction_records(batch: RolloutBatch, passage: Callable[[int], Passage]) -
     """One predictions-file record per trajectory of ``batch``; ``passage(row)`` looks up shown passages."""
     records = []
     for b, searches in enumerate(trajectory_searches(batch, passage)):
-        answer, golds = batch.answers[b], batch.golds[b]
+        answer, golds, options = batch.answers[b], batch.golds[b], batch.metadata[b].get("options")
+        scores = answer_scores(answer, golds, options)
         records.append({
             "id": batch.example_ids[b],
             "question": batch.questions[b],
             "type": batch.metadata[b].get("type"),
+            "options": options,
             "golden_answers": list(golds),
             "prediction": answer,
-            "em": exact_match(answer, golds),
-            "f1": f1_score(answer, golds),
+            "em": scores["em"],
+            "f1": scores["f1"],
             "reward": float(batch.rewards[b]),
             "response": batch.responses[b],
             "searches": [

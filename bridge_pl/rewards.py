@@ -169,7 +169,7 @@ def is_valid_format(
 # separator and the rest (e.g. the option's text).
 _CHOICE = re.compile(
     r"(?:(?:the\s+)?(?:correct\s+|final\s+|best\s+)?(?:answer|option|choice)(?:\s+is)?\s*[:\-]?\s*)?"
-    r"(?P<open>[(\[{])?(?P<letter>[A-Za-z])[)\]}]?(?:(?P<sep>\s*[.:)\-]|\s)\s*(?P<rest>.*))?",
+    r"(?P<open>[(\[{])?(?P<letter>[A-Za-z])(?P<close>[)\]}])?(?:(?P<sep>\s*[.:)\-]|\s)\s*(?P<rest>.*))?",
     re.IGNORECASE | re.DOTALL,
 )
 _DECORATION = " \t\n*_`'\"."
@@ -200,7 +200,8 @@ def choice_letter(answer: str | None, options: dict[str, str]) -> str | None:
     rest = normalize_answer(match["rest"] or "")
     if rest and by_text.get(rest, letter) != letter:
         return None  # "B. <option A's text>": the two disagree
-    if rest and not match["open"] and not match["sep"].strip() and by_text.get(rest) != letter:
+    bare = not (match["open"] or match["close"] or match["sep"].strip())
+    if rest and bare and by_text.get(rest) != letter:
         return None  # "A virus": an article and a word, not option A (a letter then a space needs its own text)
     return letter
 

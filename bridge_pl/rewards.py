@@ -200,7 +200,7 @@ def choice_letter(answer: str | None, options: dict[str, str]) -> str | None:
     rest = normalize_answer(match["rest"] or "")
     if rest and by_text.get(rest, letter) != letter:
         return None  # "B. <option A's text>": the two disagree
-    bare = not (match["open"] or match["close"] or match["sep"].strip())
+    bare = not (match["open"] or match["close"] or (match["sep"] or "").strip())
     if rest and bare and by_text.get(rest) != letter:
         return None  # "A virus": an article and a word, not option A (a letter then a space needs its own text)
     return letter

@@ -229,9 +229,10 @@ def test_a_multiple_choice_prompt_lists_the_lettered_options_and_asks_for_a_lett
 
 def test_a_multiple_choice_rollout_is_rewarded_for_the_gold_letter(tmp_path):
     """The datamodule's scorer on what a policy wrote (tiny model's tokenizer): letter out, reward 1 for the gold."""
+    from helpers import tiny_module
+
     from bridge_pl.data.qa import QAExample
     from bridge_pl.rollout.engine import Trajectory
-    from tests.helpers import tiny_module
 
     module, data = tiny_module(tmp_path)
     tokenizer = module.policy.tokenizer

@@ -137,7 +137,8 @@ def test_the_medical_recipe_validates_on_mirage_and_a_medrag_corpus(tmp_path):
     args = [arg for config in configs for arg in ("--config", str(config))]
     tiny = [arg for arg in TINY if not arg.startswith("--model.retriever.init_args.corpus")]
     cli = BridgeCLI(args=[
-        *args, *tiny, f"--trainer.default_root_dir={tmp_path}", f"--model.retriever.init_args.corpus=medrag:{data}/medrag",
+        *args, *tiny, f"--trainer.default_root_dir={tmp_path}",
+        f"--model.retriever.init_args.corpus=medrag:{data}/medrag",
         f"--data.val={{'mirage': 'mirage:{data}/mirage/benchmark.json'}}", "--data.max_eval_examples=2",
         "--data.eval_batch_size=2", "--data.max_turns=1", "--data.max_new_tokens_per_turn=8",
         "--data.max_response_tokens=48", "--trainer.limit_val_batches=1",

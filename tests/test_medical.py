@@ -246,3 +246,16 @@ def test_a_multiple_choice_rollout_is_rewarded_for_the_gold_letter(tmp_path):
     texts = ["<answer>(C)</answer>", "<answer>Beta cell</answer>", "<answer>A</answer>", "<answer>Paris</answer>"]
     scores = data._score(module, [written(t) for t in texts], [example, example, example, free])
     assert scores == [("C", 1.0), ("C", 1.0), ("A", 0.0), ("Paris", 1.0)]
+
+
+def test_a_tiny_fit_on_world_mc_trains_and_logs_accuracy(tmp_path):
+    """One iteration and one validation on world-mc with the tiny models: the multiple-choice path runs end to end."""
+    from helpers import fit_tiny
+
+    cli = fit_tiny(tmp_path, "--data.train=world-mc/train", '--data.val={"mc": "world-mc/dev"}',
+                   "--data.max_eval_examples=4", "--trainer.max_steps=1", "--trainer.val_check_interval=1")
+    metrics = cli.trainer.callback_metrics
+    dev = load_qa("world-mc/dev")[:4]
+    choices = sum("options" in ex.metadata for ex in dev)
+    assert choices > 0 and float(metrics["val/mc/accuracy"]) * choices in range(choices + 1)
+    assert 0.0 <= float(metrics["val/mc/em"]) <= 1.0

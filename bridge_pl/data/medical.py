@@ -151,12 +151,11 @@ def check_choice_examples(source: str, examples: list[QAExample]) -> list[QAExam
 def _medrag_passage(loc: str, row: Any) -> Passage:
     if not isinstance(row, dict):
         raise DataFormatError(f"{loc}: expected a JSON object, got {type(row).__name__}")
-    if "id" not in row:
-        raise DataFormatError(f"{loc}: field 'id' is missing (expected a string)")
+    missing = [name for name in ("id", "title", "content") if name not in row]
+    if missing:
+        raise DataFormatError(f"{loc}: field '{missing[0]}' is missing (MedRAG rows hold id, title, content, contents)")
     ident = _scalar_id(loc, row["id"])
     for name in ("title", "content"):
-        if name not in row:
-            raise DataFormatError(f"{loc}: field '{name}' is missing (MedRAG rows hold id, title, content, contents)")
         if not isinstance(row[name], str):
             raise DataFormatError(f"{loc}: field '{name}' must be a string, got {type(row[name]).__name__}")
     if not row["content"].strip():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -133,6 +134,9 @@ class HFJudge(Judge):
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError(f"HFJudge: max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, "
                              f"{batch_size}")
+        from bridge_pl.models import resolve_model
+
+        resolve_model(model)  # a judge that cannot load fails here, not at the first evaluation
         self.model_name, self.max_new_tokens, self.batch_size = model, max_new_tokens, batch_size
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.dtype = getattr(torch, dtype)
@@ -223,7 +227,7 @@ class OpenAIJudge(Judge):
                 error = f"HTTP {err.code} from {self.url}"
                 if err.code < 500 and err.code != 429:
                     break  # a client error: asking again gives the same answer
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+            except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, cut short
                 error = f"no reply from {self.url} ({getattr(err, 'reason', err)})"
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, IndexError, TypeError) as err:
                 return Reply(None, f"not an OpenAI chat-completions reply ({type(err).__name__}: {err})")

@@ -179,3 +179,25 @@ def test_judge_settings_are_checked():
         OpenAIJudge("localhost:8000", "m")
     with pytest.raises(ValueError, match="dtype"):
         HFJudge("smollm2-135m-instruct", dtype="int8")
+
+
+def test_a_yaml_config_turns_the_judge_on_and_a_validation_reports_it(tmp_path):
+    """QAEval with an HFJudge named in YAML (the tiny random model as judge: its replies do not parse, and are
+    counted and shown per row, while the validation completes)."""
+    from helpers import tiny_cli
+
+    config = tmp_path / "judge.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: callbacks.QAEval\n      init_args:\n        judge:\n"
+        "          class_path: bridge_pl.judge.HFJudge\n"
+        "          init_args: {model: tiny-llama, max_new_tokens: 4, device: cpu}\n"
+    )
+    cli = tiny_cli(tmp_path, "--data.max_eval_examples=2", "--config", str(config))
+    cli.trainer.validate(cli.model, cli.datamodule)
+    metrics = cli.trainer.callback_metrics
+    parsed = 2 - float(metrics["val/world_dev/judge_unparsed"])
+    assert float(metrics["val/world_dev/judge_failed"]) == 0
+    assert ("val/world_dev/reasoning_quality" in metrics) == (parsed > 0)
+    rows = [json.loads(line) for line in (tmp_path / "predictions" / "val_world_dev_step0.jsonl").open()]
+    assert len(rows) == 2 and all(isinstance(r["judge_reply"], str) for r in rows)
+    assert (tmp_path / "judge_cache.jsonl").is_file()

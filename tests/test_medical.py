@@ -259,3 +259,15 @@ def test_a_tiny_fit_on_world_mc_trains_and_logs_accuracy(tmp_path):
     choices = sum("options" in ex.metadata for ex in dev)
     assert choices > 0 and float(metrics["val/mc/accuracy"]) * choices in range(choices + 1)
     assert 0.0 <= float(metrics["val/mc/em"]) <= 1.0
+
+
+def test_the_credit_report_reads_a_multiple_choice_answer_by_its_letter_and_looks_for_the_option_text():
+    from bridge_pl.credit_analysis import classify
+    from bridge_pl.data.qa import Passage
+
+    shown = [Passage("p1", "Islets", "Beta cells of the pancreas make insulin.")]
+    options = {"A": "Hepatocyte", "B": "Beta cells"}
+    right, wrong = classify("B", ["B"], shown, options=options), classify("A", ["B"], shown, options=options)
+    assert (right.failed, right.retrieved) == (False, True)
+    assert (wrong.failed, wrong.retrieved) == (True, True)  # the evidence was shown: a reasoning miss
+    assert classify("A", ["A"], [], options={"A": "yes", "B": "no"}).failed is False

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from bridge_pl.models import load_causal_lm, load_tokenizer, resolve_model
+
 JUDGE_PROMPT = """You are grading the reasoning of a search agent that answered a question by thinking, \
 searching a document collection and reading the passages it found. Do not judge whether the final answer is \
 correct (you are not told the correct answer); judge how well the reasoning supports it.
@@ -134,8 +136,6 @@ class HFJudge(Judge):
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError(f"HFJudge: max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, "
                              f"{batch_size}")
-        from bridge_pl.models import resolve_model
-
         resolve_model(model)  # a judge that cannot load fails here, not at the first evaluation
         self.model_name, self.max_new_tokens, self.batch_size = model, max_new_tokens, batch_size
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -144,11 +144,9 @@ class HFJudge(Judge):
 
     @property
     def identity(self) -> str:
-        return f"hf:{self.model_name}:greedy:{self.max_new_tokens}"
+        return f"hf:{self.model_name}:{self.dtype}:greedy:{self.max_new_tokens}"
 
     def _load(self) -> None:
-        from bridge_pl.models import load_causal_lm, load_tokenizer
-
         self._tokenizer = load_tokenizer(self.model_name)
         self._tokenizer.padding_side = "left"  # generation continues every row from its own last token
         self._model = load_causal_lm(self.model_name, dtype=self.dtype).to(self.device).eval()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from bridge_pl.data.qa import Passage
-from bridge_pl.rewards import exact_match, normalize_answer
+from bridge_pl.rewards import answer_scores, normalize_answer
 from bridge_pl.rollout.batch import RolloutBatch
 
 GoldPassages = Sequence[Sequence[str]]  # per hop, the alternative gold passage ids
@@ -107,17 +107,21 @@ def classify(
     golds: Sequence[str],
     shown: Sequence[Passage],
     gold_passages: GoldPassages | None = None,
+    options: dict[str, str] | None = None,
 ) -> Verdict:
     """Classify one trajectory given its answer, the passages its searches showed, and its gold evidence.
 
     ``gold_passages`` (per hop, alternative ids) selects the ``gold_passages`` method; ``None`` or empty
-    selects ``answer_string`` (a gold answer occurs in a shown passage's title or text).
+    selects ``answer_string`` (a gold answer occurs in a shown passage's title or text). For a multiple-choice
+    question (``options``; ``golds`` is the gold letter) the answer is right when it names the gold option, and
+    the string looked for is the gold option's text.
     """
-    failed = exact_match(answer, golds) == 0.0
+    failed = answer_scores(answer, golds, options)["em"] == 0.0
     if gold_passages:
         recall = hop_recall((p.id for p in shown), gold_passages)
         return Verdict(failed=failed, retrieved=recall == 1.0, method="gold_passages", recall=recall)
-    retrieved = answer_in_texts((f"{p.title} {p.text}" for p in shown), golds)
+    wanted = [options[golds[0]]] if options else golds
+    retrieved = answer_in_texts((f"{p.title} {p.text}" for p in shown), wanted)
     return Verdict(failed=failed, retrieved=retrieved, method="answer_string", recall=None)
 
 
@@ -190,5 +194,5 @@ def batch_verdicts(batch: RolloutBatch, passage: Callable[[int], Passage]) -> li
         where = f"example {batch.example_ids[b]!r} of dataset {batch.dataset!r}"
         gold_ids = check_gold_passages(batch.metadata[b].get("gold_passages"), where)
         shown = [p for search in searches for p in search.passages]
-        verdicts.append(classify(batch.answers[b], batch.golds[b], shown, gold_ids))
+        verdicts.append(classify(batch.answers[b], batch.golds[b], shown, gold_ids, batch.metadata[b].get("options")))
     return verdicts

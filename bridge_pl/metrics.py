@@ -31,9 +31,10 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from bridge_pl.rewards import exact_match, f1_score, sub_exact_match
+from bridge_pl.rewards import answer_scores
 
-_STATES = ("em", "f1", "sub_em", "turns", "searches", "questions", "valid_actions", "actions")
+_STATES = ("em", "f1", "sub_em", "turns", "searches", "questions", "valid_actions", "actions", "correct_choices",
+           "choice_questions")
 
 
 class QAMetrics(Metric):
@@ -42,7 +43,10 @@ class QAMetrics(Metric):
     ``compute()`` returns float32 scalars:
 
     - ``em``, ``f1``, ``sub_em``: mean over questions of the best score against the question's golds
-      (a ``None`` prediction, i.e. no answer, scores 0);
+      (a ``None`` prediction, i.e. no answer, scores 0); on a multiple-choice question all three are 1 for the
+      gold option and 0 otherwise (``bridge_pl.rewards.answer_scores``);
+    - ``accuracy``: share of the multiple-choice questions answered with the gold option; present only when
+      the set has multiple-choice questions;
     - ``turns``: mean generation turns per question;
     - ``searches``: mean search calls per question;
     - ``valid_action_rate``: total valid actions / total actions, pooled over all questions (not a mean
@@ -65,6 +69,8 @@ class QAMetrics(Metric):
     questions: Tensor
     valid_actions: Tensor
     actions: Tensor
+    correct_choices: Tensor
+    choice_questions: Tensor
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -79,11 +85,17 @@ class QAMetrics(Metric):
         searches: Sequence[int] | Tensor,
         valid_actions: Sequence[int] | Tensor,
         actions: Sequence[int] | Tensor,
+        options: Sequence[dict[str, str] | None] | None = None,
     ) -> None:
-        """Add one batch of ``n`` questions; every argument has ``n`` entries (counts: ints or shape (n,))."""
+        """Add one batch of ``n`` questions; every argument has ``n`` entries (counts: ints or shape (n,)).
+
+        ``options``: per question, its ``{letter: text}`` options if it is multiple choice (its gold is the
+        letter), else None; None for the whole argument means no question is multiple choice.
+        """
         n = len(predictions)
+        options = [None] * n if options is None else options
         counts = {"turns": turns, "searches": searches, "valid_actions": valid_actions, "actions": actions}
-        for field, values in {"golds": golds, **counts}.items():
+        for field, values in {"golds": golds, "options": options, **counts}.items():
             if len(values) != n:
                 raise ValueError(f"QAMetrics.update: {field} has {len(values)} entries, predictions has {n}")
         tensors = {k: torch.as_tensor(v, dtype=torch.float64).reshape(n) for k, v in counts.items()}
@@ -96,19 +108,26 @@ class QAMetrics(Metric):
                 f"{tensors['valid_actions'].tolist()} vs {tensors['actions'].tolist()}"
             )
 
-        for name, score in (("em", exact_match), ("f1", f1_score), ("sub_em", sub_exact_match)):
-            setattr(self, name, getattr(self, name) + sum(map(score, predictions, golds)))
+        scores = [answer_scores(p, g, o) for p, g, o in zip(predictions, golds, options)]
+        for name in ("em", "f1", "sub_em"):
+            setattr(self, name, getattr(self, name) + sum(score[name] for score in scores))
+        choices = [score["em"] for score, o in zip(scores, options) if o]
+        self.correct_choices += sum(choices)
+        self.choice_questions += len(choices)
         for field, values in tensors.items():
             setattr(self, field, getattr(self, field) + values.sum().item())
         self.questions += n
 
     def compute(self) -> dict[str, Tensor]:
-        """``{em, f1, sub_em, turns, searches, valid_action_rate}``, synchronised across processes."""
+        """``{em, f1, sub_em, turns, searches, valid_action_rate}`` and, with multiple-choice questions,
+        ``accuracy``; synchronised across processes."""
         # Numerators are 0 whenever their denominator is, so clamping the denominator maps "no data" to 0.
         questions = self.questions.clamp(min=1)
         means = ("em", "f1", "sub_em", "turns", "searches")
         values = {name: getattr(self, name) / questions for name in means}
         values["valid_action_rate"] = valid_action_rate(self.valid_actions, self.actions)
+        if self.choice_questions > 0:
+            values["accuracy"] = self.correct_choices / self.choice_questions
         return {name: value.to(torch.float32) for name, value in values.items()}
 
     def _wrap_compute(self, compute: Callable) -> Callable:
@@ -141,6 +160,24 @@ def valid_action_rate(valid_actions: Tensor, actions: Tensor) -> Tensor:
     [0, 1], 0 when there are no actions.
     """
     return valid_actions.sum() / actions.sum().clamp(min=1)
+
+
+def set_means(per_set: dict[str, dict[str, float]], stage: str) -> dict[str, float]:
+    """The unweighted means over evaluation sets that the module logs next to each set's own values.
+
+    ``per_set`` maps ``"<stage>/<set>"`` to that set's ``{metric: value}``. Returned: ``<stage>/<metric>``, the
+    mean over the sets that have the metric (``accuracy`` only over multiple-choice sets), and for sets named
+    ``<group>/<member>`` (the MIRAGE subsets ``mirage/medqa``, ...) ``<stage>/<group>/<metric>``, the macro
+    average over the group's members: the number the MIRAGE benchmark reports.
+    """
+    groups: dict[str, dict[str, list[float]]] = {}
+    for key, values in per_set.items():
+        name = key.removeprefix(f"{stage}/")
+        owners = [stage] + ([f"{stage}/{name.rpartition('/')[0]}"] if "/" in name else [])
+        for owner in owners:
+            for metric, value in values.items():
+                groups.setdefault(owner, {}).setdefault(metric, []).append(value)
+    return {f"{owner}/{metric}": sum(vs) / len(vs) for owner, ms in groups.items() for metric, vs in ms.items()}
 
 
 class StepLogKeys:

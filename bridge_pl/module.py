@@ -35,7 +35,7 @@ from bridge_pl.distributed import (
     shard_root,
     this_ranks,
 )
-from bridge_pl.metrics import QAMetrics, StepLogKeys, valid_action_rate
+from bridge_pl.metrics import QAMetrics, StepLogKeys, set_means, valid_action_rate
 from bridge_pl.policy import Policy
 from bridge_pl.problem import RLProblem, head_values
 from bridge_pl.retrieval.base import Passage, Retriever
@@ -411,7 +411,7 @@ class BridgeModule(L.LightningModule):
         actions = (batch.valid_actions + batch.invalid_actions).tolist()
         self.metrics[key].update(
             batch.answers, batch.golds, batch.turns.tolist(), batch.num_searches.tolist(),
-            batch.valid_actions.tolist(), actions,
+            batch.valid_actions.tolist(), actions, [m.get("options") for m in batch.metadata],
         )
         self.last_eval_batches.setdefault(key, []).append(batch)
 
@@ -424,10 +424,9 @@ class BridgeModule(L.LightningModule):
             per_dataset[key] = values
             self.log_dict({f"{key}/{name}": v for name, v in values.items()}, sync_dist=False)
             metric.reset()
-        if per_dataset:  # the unweighted mean over datasets of each metric: val/em, val/f1, val/searches, ...
-            for name in next(iter(per_dataset.values())):
-                mean = sum(v[name] for v in per_dataset.values()) / len(per_dataset)
-                self.log(f"{stage}/{name}", mean, prog_bar=name == "em")
+        # the unweighted means over datasets (val/em, val/f1, ...) and over MIRAGE subsets (val/mirage/accuracy, ...)
+        for name, mean in set_means(per_dataset, stage).items():
+            self.log(name, mean, prog_bar=name == f"{stage}/em")
         self._log_at_iterations_done()  # also for what callbacks log at this epoch's end
 
     def on_validation_epoch_start(self) -> None:

@@ -165,6 +165,63 @@ def is_valid_format(
         awaiting_information = name == search_tag
 
 
+# An optional lead-in ("the answer is", "option", "answer:"), the letter (optionally bracketed), then an optional
+# separator and the rest (e.g. the option's text).
+_CHOICE = re.compile(
+    r"(?:(?:the\s+)?(?:correct\s+|final\s+|best\s+)?(?:answer|option|choice)(?:\s+is)?\s*[:\-]?\s*)?"
+    r"(?P<open>[(\[{])?(?P<letter>[A-Za-z])(?P<close>[)\]}])?(?:(?P<sep>\s*[.:)\-]|\s)\s*(?P<rest>.*))?",
+    re.IGNORECASE | re.DOTALL,
+)
+_DECORATION = " \t\n*_`'\"."
+
+
+def choice_letter(answer: str | None, options: dict[str, str]) -> str | None:
+    """The option letter an answer names, or None: a multiple-choice answer mapped to a letter of ``options``.
+
+    Accepted: the exact text of one option (compared after SQuAD normalisation, so case, punctuation and
+    articles do not matter); or the letter (any case: ``C``, ``c``, ``C.``, ``(C)``, ``[C]``, ``C)``, ``**C**``),
+    after an optional lead-in (``Answer: C``, ``The answer is (C)``, ``Option C``), followed by nothing, by its
+    option's text (``C. Paris``, ``C Paris``) or, after a bracket or punctuation, by anything but another
+    option's text (``C) because ...``). A bare letter, a space and other words (``A virus``) is read as text,
+    not as a letter. A letter that is not among the options gives None.
+    """
+    if answer is None:
+        return None
+    text = answer.strip(_DECORATION)
+    by_text = {normalize_answer(v): k for k, v in options.items()}
+    if (key := normalize_answer(text)) and key in by_text:
+        return by_text[key]
+    match = _CHOICE.fullmatch(text)
+    if match is None:
+        return None
+    letter = match["letter"].upper()
+    if letter not in options:
+        return None
+    rest = normalize_answer(match["rest"] or "")
+    if rest and by_text.get(rest, letter) != letter:
+        return None  # "B. <option A's text>": the two disagree
+    bare = not (match["open"] or match["close"] or (match["sep"] or "").strip())
+    if rest and bare and by_text.get(rest) != letter:
+        return None  # "A virus": an article and a word, not option A (a letter then a space needs its own text)
+    return letter
+
+
+def choice_score(answer: str | None, gold_letter: str, options: dict[str, str]) -> float:
+    """1.0 if the answer names the gold option (see :func:`choice_letter`), else 0.0."""
+    return float(choice_letter(answer, options) == gold_letter)
+
+
+def answer_scores(prediction: str | None, golds: Sequence[str], options: dict[str, str] | None = None
+                  ) -> dict[str, float]:
+    """``{em, f1, sub_em}`` of one prediction. On a multiple-choice question (``options`` given; ``golds`` is
+    ``[letter]``) all three are :func:`choice_score`: SQuAD normalisation would erase the letter "A"."""
+    if options:
+        correct = choice_score(prediction, _checked_golds(golds)[0], options)
+        return {"em": correct, "f1": correct, "sub_em": correct}
+    return {"em": exact_match(prediction, golds), "f1": f1_score(prediction, golds),
+            "sub_em": sub_exact_match(prediction, golds)}
+
+
 class RewardFunction(ABC):
     """A scalar reward for one rollout: ``reward(response, golds) -> float``. Subclasses are stateless.
 

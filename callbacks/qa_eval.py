@@ -1,14 +1,23 @@
 """``QAEval``: per-dataset predictions files and a TensorBoard panel of full trajectories after each eval.
 
-The numbers (``val/<dataset>/em``, ``f1``, ``sub_em``, ``searches``, ``turns``, ``valid_action_rate`` and
-their averages ``val/<name>``) are logged by ``BridgeModule`` itself; this callback adds what a researcher
-reads next: ``<run dir>/predictions/<stage>_<dataset>_step<step>.jsonl`` (one line per question:
-``id, question, type, golden_answers, prediction, em, f1, reward, response, searches``, where ``type`` is the
-example's ``metadata["type"]`` (the world's ``single`` / ``bridge`` / ``comparison``; null when the data has none)
-and each search is ``{query, titles, ids}`` of the passages shown), ``add_text`` panels
+The numbers (``val/<dataset>/em``, ``f1``, ``sub_em``, ``searches``, ``turns``, ``valid_action_rate``, ``accuracy``
+on multiple-choice sets, and their averages ``val/<name>``) are logged by ``BridgeModule`` itself; this callback
+adds what a researcher reads next: ``<run dir>/predictions/<stage>_<dataset>_step<step>.jsonl`` (a ``/`` in the
+dataset name, as in ``mirage/medqa``, becomes ``_``; one line per question:
+``id, question, type, options, golden_answers, prediction, em, f1, reward, response, searches``, where ``type`` is
+the example's ``metadata["type"]`` (the world's ``single`` / ``bridge`` / ``comparison``, a MIRAGE subset; null
+when the data has none), ``options`` the multiple-choice options (null for free text; ``prediction`` is then the
+letter the answer names) and each search is ``{query, titles, ids}`` of the passages shown), ``add_text`` panels
 ``<stage>/<dataset>/trajectories`` on every TensorBoard logger, and, when the examples have a type, EM and
 searches per type, logged through the module (rank 0's numbers, on every rank): ``<stage>/<dataset>/by_type/<type>/em``,
 ``.../searches`` (a policy that never searches twice scores 0 on 2-hop questions; the dataset average hides it).
+
+With a ``judge`` (opt-in: one judge call per trajectory), every record also gets ``reasoning_quality`` (1-5, or
+null when the reply held no score or the request failed) and ``judge_reply``, and the module logs
+``<stage>/<dataset>/reasoning_quality`` (mean over parsed replies), ``.../judge_unparsed`` and ``.../judge_failed``
+(counts, also warned about), and the means over sets and over MIRAGE subsets (``<stage>/mirage/reasoning_quality``).
+Replies are cached in ``judge_cache`` (default ``<default_root_dir>/judge_cache.jsonl``), so a repeated or
+interrupted evaluation asks only for what is missing. See ``bridge_pl.judge`` and docs/medical.md.
 
 The run dir is ``trainer.log_dir`` (the logger's version folder, or ``default_root_dir`` without a logger).
 The step is the model's training step (``BridgeModule.policy_version``, saved in checkpoints), so
@@ -31,10 +40,13 @@ from typing import Any
 import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 from bridge_pl.credit_analysis import trajectory_searches
 from bridge_pl.data.qa import Passage
-from bridge_pl.rewards import exact_match, f1_score
+from bridge_pl.judge import Judge, JudgeCache, judge_records
+from bridge_pl.metrics import set_means
+from bridge_pl.rewards import answer_scores
 from bridge_pl.rollout.batch import RolloutBatch
 
 
@@ -51,15 +63,17 @@ def prediction_records(batch: RolloutBatch, passage: Callable[[int], Passage]) -
     """One predictions-file record per trajectory of ``batch``; ``passage(row)`` looks up shown passages."""
     records = []
     for b, searches in enumerate(trajectory_searches(batch, passage)):
-        answer, golds = batch.answers[b], batch.golds[b]
+        answer, golds, options = batch.answers[b], batch.golds[b], batch.metadata[b].get("options")
+        scores = answer_scores(answer, golds, options)
         records.append({
             "id": batch.example_ids[b],
             "question": batch.questions[b],
             "type": batch.metadata[b].get("type"),
+            "options": options,
             "golden_answers": list(golds),
             "prediction": answer,
-            "em": exact_match(answer, golds),
-            "f1": f1_score(answer, golds),
+            "em": scores["em"],
+            "f1": scores["f1"],
             "reward": float(batch.rewards[b]),
             "response": batch.responses[b],
             "searches": [
@@ -145,13 +159,17 @@ class QAEval(L.Callback):
         num_trajectories: trajectories per dataset in the TensorBoard text panel (the first ones of the
             dataset; 0 turns the panel off).
         write_predictions: write the predictions jsonl files.
+        judge: scores each trajectory's reasoning (``bridge_pl.judge.HFJudge`` or ``OpenAIJudge``); None: off.
+        judge_cache: the judge's reply cache (jsonl); None: ``<default_root_dir>/judge_cache.jsonl``.
     """
 
-    def __init__(self, num_trajectories: int = 3, write_predictions: bool = True) -> None:
+    def __init__(self, num_trajectories: int = 3, write_predictions: bool = True, judge: Judge | None = None,
+                 judge_cache: str | None = None) -> None:
         if num_trajectories < 0:
             raise ValueError(f"QAEval: num_trajectories must be >= 0, got {num_trajectories}")
         self.num_trajectories = num_trajectories
         self.write_predictions = write_predictions
+        self.judge, self.judge_cache = judge, judge_cache
         self.written: list[Path] = []  # predictions files written by this process (rank 0)
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -165,6 +183,7 @@ class QAEval(L.Callback):
         """Gather, write and display the ``stage`` predictions of every named dataset (a collective)."""
         run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir broadcasts: call on all ranks
         step = int(getattr(pl_module, "policy_version", trainer.global_step))
+        judged: dict[str, dict[str, float]] = {}
         for name in eval_dataset_names(trainer, pl_module, stage):
             local = [
                 record
@@ -173,13 +192,18 @@ class QAEval(L.Callback):
             ]
             records = gather_to_rank_zero(local)
             # rank 0's numbers on every rank, so every rank's callback_metrics agree (a collective, like the gather)
-            typed = trainer.strategy.broadcast(metrics_by_type(records or [], f"{stage}/{name}"), src=0)
+            metrics = metrics_by_type(records or [], f"{stage}/{name}")
+            if self.judge is not None and records:
+                metrics.update(self.judge_set(records, f"{stage}/{name}", trainer))
+            typed = trainer.strategy.broadcast(metrics, src=0)
             if typed:  # through the module, so they share the TensorBoard step of val/<dataset>/em
                 pl_module.log_dict(typed, add_dataloader_idx=False)
+            if f"{stage}/{name}/reasoning_quality" in typed:
+                judged[f"{stage}/{name}"] = {"reasoning_quality": typed[f"{stage}/{name}/reasoning_quality"]}
             if not records:
                 continue
             if self.write_predictions:
-                path = run_dir / "predictions" / f"{stage}_{name}_step{step}.jsonl"
+                path = run_dir / "predictions" / f"{stage}_{name.replace('/', '_')}_step{step}.jsonl"
                 _write_jsonl(path, records)
                 self.written.append(path)
             if self.num_trajectories:
@@ -187,3 +211,20 @@ class QAEval(L.Callback):
                 for logger in trainer.loggers:
                     if isinstance(logger, TensorBoardLogger):
                         logger.experiment.add_text(f"{stage}/{name}/trajectories", text, step)
+        if judged:  # <stage>/reasoning_quality and, over MIRAGE subsets, <stage>/mirage/reasoning_quality
+            pl_module.log_dict(set_means(judged, stage), add_dataloader_idx=False)
+
+    def judge_set(self, records: list[dict[str, Any]], key: str, trainer: L.Trainer) -> dict[str, float]:
+        """Judge one set's records in place (rank 0); its ``<key>/reasoning_quality`` and the two counts."""
+        path = self.judge_cache or Path(trainer.default_root_dir) / "judge_cache.jsonl"
+        summary = judge_records(self.judge, records, JudgeCache(path))
+        if summary.unparsed or summary.failed:
+            rank_zero_warn(
+                f"QAEval judge: on {key}, {summary.unparsed} of {len(records)} replies held no 'Score: N' and "
+                f"{summary.failed} requests failed (first: {summary.example}); they are left out of "
+                f"{key}/reasoning_quality"
+            )
+        metrics = {f"{key}/judge_unparsed": float(summary.unparsed), f"{key}/judge_failed": float(summary.failed)}
+        if summary.reasoning_quality is not None:
+            metrics[f"{key}/reasoning_quality"] = summary.reasoning_quality
+        return metrics

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
 from bridge_pl.distributed import average_replicated_grads
-from bridge_pl.rewards import exact_match
+from bridge_pl.rewards import answer_scores
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
 from bridge_pl.warm_start import demonstration_segments, sft_loss, tokenize_demonstration
@@ -47,6 +47,7 @@ class WarmStart(L.Callback):
         self.source, self.seed, self.grad_clip, self.evaluate = source, seed, grad_clip, evaluate
         self.save_to = save_to
         self.em: dict[str, dict[str, float]] = {}  # "before"/"after" -> dataset -> EM
+        self.accuracy: dict[str, dict[str, float]] = {}  # the same, multiple-choice questions' accuracy
 
     def _evaluate(self, trainer: L.Trainer, pl_module, when: str) -> None:
         """Greedy EM on every validation set, with the module's current policy and retriever."""
@@ -54,21 +55,28 @@ class WarmStart(L.Callback):
         self.em[when] = {}
         for name, source in data.val_sources.items():
             examples = data.load(source, data.max_eval_examples)
-            scores = []
+            scores, choices = [], []
             # the forwards run in the steps' precision context (bf16-mixed: autocast), which Lightning opens only
             # around its own steps: the EM after the warm start is step 0 of the val/<dataset>/em curve
             with trainer.precision_plugin.forward_context():
                 for start in range(0, len(examples), data.eval_batch_size):
                     batch = data.rollout(pl_module, examples[start : start + data.eval_batch_size], False, name)
-                    scores += [exact_match(a, g) for a, g in zip(batch.answers, batch.golds)]
+                    for a, g, m in zip(batch.answers, batch.golds, batch.metadata):
+                        scores.append(answer_scores(a, g, m.get("options"))["em"])
+                        if m.get("options"):
+                            choices.append(scores[-1])
             self.em[when][name] = sum(scores) / max(1, len(scores))
+            values = {"em": self.em[when][name]}
+            if choices:  # multiple-choice questions: their accuracy, as val/<name>/accuracy
+                values["accuracy"] = self.accuracy.setdefault(when, {})[name] = sum(choices) / len(choices)
             if trainer.logger is not None:
-                metrics = {f"warm_start/{when}/{name}/em": self.em[when][name]}
+                metrics = {f"warm_start/{when}/{name}/{key}": value for key, value in values.items()}
                 if when == "after":  # the first point of the val/<name>/em curve: RL starts here (step 0)
-                    metrics[f"val/{name}/em"] = self.em[when][name]
+                    metrics.update({f"val/{name}/{key}": value for key, value in values.items()})
                 trainer.logger.log_metrics(metrics, step=0)
-            em = self.em[when][name]
-            rank_zero_info(f"WarmStart: {name} EM {when} warm start = {em:.3f} ({len(scores)} questions)")
+            shown = ", ".join(f"{key} {value:.3f}" for key, value in values.items())
+            rank_zero_info(f"WarmStart: {name} {when} warm start: {shown} ({len(scores)} questions, "
+                           f"{len(choices)} multiple choice)")
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.ckpt_path is not None or trainer.global_step > 0:
@@ -96,7 +104,8 @@ class WarmStart(L.Callback):
                 segments = demonstration_segments(
                     example, env, lambda qs: pl_module.retrieve(qs, stochastic=False), rng, self.noise
                 )
-                demos.append(tokenize_demonstration(data.prompt_ids(tokenizer, example.question), segments, tokenizer))
+                prompt = data.prompt_ids(tokenizer, example.question, example.metadata.get("options"))
+                demos.append(tokenize_demonstration(prompt, segments, tokenizer))
             with trainer.precision_plugin.forward_context():  # the forward only, as in Lightning's steps
                 loss = sft_loss(policy, demos)
             optimizer.zero_grad(set_to_none=True)
@@ -131,4 +140,11 @@ class WarmStart(L.Callback):
                 rank_zero_info(
                     f"WarmStart: {name} EM {before:.3f} before the warm start -> {after:.3f} after it -> {final:.3f} "
                     f"after RL (step {trainer.global_step}): warm start {after - before:+.3f}, RL {final - after:+.3f}"
+                )
+            accuracy = trainer.callback_metrics.get(f"val/{name}/accuracy")
+            if accuracy is not None and name in self.accuracy.get("after", {}):
+                before, after, final = self.accuracy["before"][name], self.accuracy["after"][name], float(accuracy)
+                rank_zero_info(
+                    f"WarmStart: {name} multiple-choice accuracy {before:.3f} before the warm start -> {after:.3f} "
+                    f"after it -> {final:.3f} after RL: warm start {after - before:+.3f}, RL {final - after:+.3f}"
                 )

@@ -40,7 +40,7 @@ TINY = [
 def test_every_recipe_is_covered():
     assert {str(c[-1].relative_to(ROOT)) for c in CONFIGS} >= {
         "demo.yaml", "smollm2_wiki.yaml", "qwen2.5/search_r1_3b.yaml", "qwen2.5/bridge_3b.yaml",
-        "qwen2.5/bridge_7b.yaml",
+        "qwen2.5/bridge_7b.yaml", "qwen2.5/medical_3b.yaml", "world_mc.yaml",
     }
 
 
@@ -127,3 +127,28 @@ def test_bf16_true_trains_but_warns_that_its_steps_are_rounded_away(tmp_path):
                                               "--model.policy.init_args.dtype=bfloat16")
     assert {p.dtype for p in cli.model.policy.parameters()} == {torch.bfloat16}
     assert moved < 0.1, moved
+
+
+def test_the_medical_recipe_validates_on_mirage_and_a_medrag_corpus(tmp_path):
+    """configs/qwen2.5/medical_3b.yaml with tiny models, the packaged MIRAGE-format and MedRAG-format test files:
+    the five subsets are the validation sets (base.yaml's seven are replaced), each gets its accuracy, and
+    val/mirage/accuracy is their macro average."""
+    data = Path(__file__).parent / "data"
+    configs = _with_base(ROOT / "qwen2.5" / "medical_3b.yaml")
+    args = [arg for config in configs for arg in ("--config", str(config))]
+    tiny = [arg for arg in TINY if not arg.startswith("--model.retriever.init_args.corpus")]
+    cli = BridgeCLI(args=[
+        *args, *tiny, f"--trainer.default_root_dir={tmp_path}",
+        f"--model.retriever.init_args.corpus=medrag:{data}/medrag",
+        f"--data.val={{'mirage': 'mirage:{data}/mirage/benchmark.json'}}", "--data.max_eval_examples=2",
+        "--data.eval_batch_size=2", "--data.max_turns=1", "--data.max_new_tokens_per_turn=8",
+        "--data.max_response_tokens=48", "--trainer.limit_val_batches=1",
+    ], run=False)
+    subsets = ["medqa", "medmcqa", "pubmedqa", "bioasq", "mmlu"]
+    assert list(cli.datamodule.val_sources) == [f"mirage/{s}" for s in subsets]
+    cli.trainer.validate(cli.model, cli.datamodule)
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    accuracies = [metrics[f"val/mirage/{s}/accuracy"] for s in subsets]
+    assert all(a in (0.0, 0.5, 1.0) for a in accuracies)  # two questions each
+    assert metrics["val/mirage/accuracy"] == pytest.approx(sum(accuracies) / 5)
+    assert (tmp_path / "predictions" / "val_mirage_bioasq_step0.jsonl").is_file()

@@ -24,11 +24,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
 from bridge_pl.config import require_choice
+from bridge_pl.data.medical import expand_sets
 from bridge_pl.data.qa import QAExample, QASpec
 from bridge_pl.data.sources import load_qa
 from bridge_pl.distributed import gather_per_rank, this_ranks
 from bridge_pl.policy import BranchedSequence
-from bridge_pl.rewards import ExactMatchReward, RewardFunction, extract_answer
+from bridge_pl.rewards import ExactMatchReward, RewardFunction, choice_letter, choice_score, extract_answer
 from bridge_pl.rollout.agent import RolloutAgent
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import MultiTurnEngine, RolloutEngine, Trajectory
@@ -44,6 +45,21 @@ INSTRUCTION = (
     "inside <{answer}> and </{answer}> with no explanation, for example <{answer}> Paris </{answer}>.\n"
     "Question: {question}\n"
 )
+# The same for a multiple-choice question; {options}: one "A. text" line per option.
+CHOICE_INSTRUCTION = (
+    "Answer the multiple-choice question. Think step by step inside <{think}> and </{think}>. Whenever you are "
+    "missing a fact, search for it by writing <{search}> query </{search}>; the search results will be shown "
+    "between <{information}> and </{information}>. You may search several times. When you know the answer, "
+    "write the letter of the correct option inside <{answer}> and </{answer}> with no explanation, for example "
+    "<{answer}>C</{answer}>.\n"
+    "Question: {question}\n"
+    "Options:\n{options}\n"
+)
+
+
+def options_text(options: dict[str, str]) -> str:
+    """The options as the prompt shows them: ``"A. text"`` lines."""
+    return "\n".join(f"{letter}. {text}" for letter, text in options.items())
 
 
 MIN_TEMPERATURE = 0.01  # data.temperature floor: below it sampling is greedy in float32 and a GRPO group's
@@ -230,9 +246,12 @@ class RolloutDataModule(L.LightningDataModule):
         type_mixture: training prompts drawn by question type (``metadata["type"]``, e.g. the world's
             ``single`` / ``bridge`` / ``comparison``) with these weights, instead of epochs over the set.
         env: tag names, templates and token budgets (default: Search-R1's).
-        reward: the reward function (default exact match).
+        reward: the reward function of free-text questions (default exact match). A multiple-choice question
+            (``metadata["options"]``, gold = the option letter) is rewarded 1 for the gold option and 0
+            otherwise, whatever this is (see :func:`bridge_pl.rewards.choice_letter` for the answers read).
         instruction: prompt template with ``{question}``; ``{think}``, ``{search}``, ``{information}`` and
             ``{answer}`` become the env's tag names.
+        choice_instruction: the template of multiple-choice questions: also ``{options}`` (``A. text`` lines).
         use_chat_template: wrap the prompt in the tokenizer's chat template when it has one.
         seed: seeds the prompt order and the sampling (retrieval and generation); None (default): the run's
             ``seed_everything`` (so one ``--seed_everything=N`` reseeds the whole run), 0 if it has none.
@@ -260,15 +279,19 @@ class RolloutDataModule(L.LightningDataModule):
         env: EnvConfig | None = None,
         reward: RewardFunction | None = None,
         instruction: str = INSTRUCTION,
+        choice_instruction: str = CHOICE_INSTRUCTION,
         use_chat_template: bool = True,
         seed: int | None = None,
     ) -> None:
         super().__init__()
         if problems := data_problems(locals()):  # the arguments by name
             raise ValueError("; ".join(problems))
+        if "{question}" not in choice_instruction or "{options}" not in choice_instruction:
+            raise ValueError("data.choice_instruction must contain '{question}' and '{options}'")
         self.train_source = train
-        self.val_sources = dict(val) if val is not None else dict(DEFAULT_VAL)
-        self.test_sources = dict(test) if test is not None else dict(DEFAULT_TEST)
+        # mirage:PATH names the five MIRAGE subsets: sets <name>/medqa, ... (see bridge_pl.data.medical)
+        self.val_sources = expand_sets(val) if val is not None else dict(DEFAULT_VAL)
+        self.test_sources = expand_sets(test) if test is not None else dict(DEFAULT_TEST)
         self.max_eval_examples = max_eval_examples
         self.batch_size, self.n_samples, self.eval_batch_size = batch_size, n_samples, eval_batch_size
         self.filter_groups, self.max_sampling_rounds = filter_groups, max_sampling_rounds
@@ -281,6 +304,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.env_config = env or EnvConfig()
         self.reward = reward or ExactMatchReward()
         self.instruction, self.use_chat_template, self._seed = instruction, use_chat_template, seed
+        self.choice_instruction = choice_instruction
         self.consumed = 0  # training batches generated so far (the resumable data position)
         self._sets: dict[str, list[QAExample]] = {}
         self._engine: MultiTurnEngine | None = None
@@ -350,9 +374,14 @@ class RolloutDataModule(L.LightningDataModule):
         self._generator_state = this_ranks(state_dict.get("generator"))
 
     # ---- prompts --------------------------------------------------------------------------------
-    def prompt_ids(self, tokenizer, question: str) -> list[int]:
-        """Token ids of the prompt for ``question`` (chat-templated when the tokenizer has a template)."""
-        text = self.instruction.format(question=question, **self.env_config.tag_names())
+    def prompt_ids(self, tokenizer, question: str, options: dict[str, str] | None = None) -> list[int]:
+        """Token ids of the prompt for ``question`` (chat-templated when the tokenizer has a template); with
+        ``options`` (``{letter: text}``) the multiple-choice template, which lists them."""
+        tags = self.env_config.tag_names()
+        if options:
+            text = self.choice_instruction.format(question=question, options=options_text(options), **tags)
+        else:
+            text = self.instruction.format(question=question, **tags)
         if self.use_chat_template and getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
@@ -434,7 +463,7 @@ class RolloutDataModule(L.LightningDataModule):
             if self._generator_state is not None:
                 self._generator.set_state(self._generator_state)
         return self._engine.rollout(
-            policy, [self.prompt_ids(tokenizer, ex.question) for ex in examples],
+            policy, [self.prompt_ids(tokenizer, ex.question, ex.metadata.get("options")) for ex in examples],
             search_fn=lambda queries: module.retrieve(queries, stochastic=training, generator=self._generator),
             n_samples=self.n_samples if training else 1, greedy=not training, generator=self._generator,
         )
@@ -467,12 +496,20 @@ class RolloutDataModule(L.LightningDataModule):
     def _score(self, module: RolloutAgent, trajectories: list[Trajectory], per_traj: list[QAExample]
     ) -> list[tuple[str | None, float]]:
         """(extracted answer, reward) per trajectory, from one decode of what the policy wrote (env messages
-        quote the answer tags too, so they are left out)."""
+        quote the answer tags too, so they are left out). A multiple-choice answer is given as the option letter
+        it names (as written when it names none)."""
         tokenizer = module.policy.tokenizer
         tags = dict(open_tag=self.env_config.open_tag("answer"), close_tag=self.env_config.close_tag("answer"))
-        written = [policy_text(t, tokenizer) for t in trajectories]
-        return [(extract_answer(text, **tags), self.reward(text, ex.golden_answers))
-                for text, ex in zip(written, per_traj)]
+        scores = []
+        for trajectory, ex in zip(trajectories, per_traj):
+            text = policy_text(trajectory, tokenizer)
+            answer = extract_answer(text, **tags)
+            if options := ex.metadata.get("options"):
+                scores.append((choice_letter(answer, options) or answer,
+                               choice_score(answer, ex.golden_answers[0], options)))
+            else:
+                scores.append((answer, self.reward(text, ex.golden_answers)))
+        return scores
 
     def _sample_groups(self, module: RolloutAgent, examples: list[QAExample]):
         """The training groups: ``(trajectories, example per trajectory, (answer, reward) per trajectory, stats)``.

@@ -1,8 +1,10 @@
 """One string names a corpus or a QA set (as used in YAML configs); an inline list of records is read too.
 
-Corpora: ``"world"`` / ``"world:SEED"`` (generated), ``"wikipedia"`` (packaged), or a corpus file.
-QA sets: ``"world/SPLIT"`` / ``"world:SEED/SPLIT"`` (SPLIT in train, dev, test), ``"fanoutqa/sub"``,
-``"fanoutqa/top"``, or a QA file (jsonl / json / parquet).
+Corpora: ``"world"`` / ``"world:SEED"`` (generated), ``"wikipedia"`` (packaged), ``"medrag:PATH"`` (MedRAG chunk
+file or folder), or a corpus file.
+QA sets: ``"world/SPLIT"`` / ``"world:SEED/SPLIT"`` (SPLIT in train, dev, test; ``world-mc`` for the world with
+half its questions multiple choice), ``"fanoutqa/sub"``, ``"fanoutqa/top"``, ``"mirage:PATH#SUBSET"`` (one MIRAGE
+subset; ``"mirage:PATH"`` as an evaluation set names all five), or a QA file (jsonl / json / parquet).
 Inline lists (``corpus: [{id: p1, contents: ...}, ...]`` in YAML) go through the same record checks as a file.
 """
 
@@ -14,6 +16,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from bridge_pl.data.medical import (
+    MEDRAG_PREFIX,
+    MIRAGE_PREFIX,
+    check_choice_examples,
+    load_mirage,
+    read_medrag,
+)
 from bridge_pl.data.packaged import FANOUTQA_LEVELS, fanoutqa_questions, wikipedia_corpus
 from bridge_pl.data.qa import (
     CorpusSpec,
@@ -25,19 +34,21 @@ from bridge_pl.data.qa import (
     read_corpus,
     read_qa,
 )
-from bridge_pl.data.world import World, build_world
+from bridge_pl.data.world import MC_SHARE, World, build_world
 
 _WORLD = re.compile(r"world(?::(?P<seed>-?\d+))?")
-_WORLD_QA = re.compile(r"world(?::(?P<seed>-?\d+))?/(?P<split>train|dev|test)")
-CORPUS_FORMS = ('"world"', '"world:SEED"', '"wikipedia"', "a corpus .jsonl/.json/.parquet file path")
-QA_FORMS = ('"world/SPLIT"', '"world:SEED/SPLIT"', "(SPLIT: train, dev, test)",
-            *(f'"fanoutqa/{level}"' for level in FANOUTQA_LEVELS), "a QA .jsonl/.json/.parquet file path")
+_WORLD_QA = re.compile(r"world(?P<mc>-mc)?(?::(?P<seed>-?\d+))?/(?P<split>train|dev|test)")
+CORPUS_FORMS = ('"world"', '"world:SEED"', '"wikipedia"', '"medrag:PATH"', "a corpus .jsonl/.json/.parquet file path")
+QA_FORMS = ('"world/SPLIT"', '"world:SEED/SPLIT"', '"world-mc/SPLIT"', "(SPLIT: train, dev, test)",
+            *(f'"fanoutqa/{level}"' for level in FANOUTQA_LEVELS), '"mirage:PATH#SUBSET"',
+            "a QA .jsonl/.json/.parquet file path")
 
 
 @lru_cache(maxsize=8)
-def world(seed: int = 0) -> World:
-    """The default-sized world for ``seed``, built once per process (corpus and QA share it)."""
-    return build_world(seed)
+def world(seed: int = 0, mc_share: float = 0.0) -> World:
+    """The default-sized world for ``seed``, built once per process (corpus and QA share it); ``mc_share`` of its
+    questions rendered as multiple choice (the corpus does not depend on it)."""
+    return build_world(seed, mc_share=mc_share)
 
 
 def _file(spec: str, forms: tuple[str, ...], what: str) -> Path:
@@ -69,6 +80,8 @@ def load_corpus(spec: CorpusSpec) -> list[Passage]:
         return list(world(int(m["seed"] or 0)).corpus)
     if spec == "wikipedia":
         return wikipedia_corpus()
+    if spec.startswith(MEDRAG_PREFIX):
+        return read_medrag(spec.removeprefix(MEDRAG_PREFIX))
     path = _file(spec, CORPUS_FORMS, "corpus")
     stat = path.stat()
     return list(_corpus_file(path.resolve(), stat.st_mtime_ns, stat.st_size))
@@ -85,7 +98,9 @@ def load_qa(spec: QASpec) -> list[QAExample]:
     if not isinstance(spec, str):
         return qa_from_records(_inline(spec, "QA set"), "QA set (inline list)")
     if m := _WORLD_QA.fullmatch(spec):
-        return list(getattr(world(int(m["seed"] or 0)), m["split"]))
+        return list(getattr(world(int(m["seed"] or 0), MC_SHARE if m["mc"] else 0.0), m["split"]))
     if spec.startswith("fanoutqa/") and spec.removeprefix("fanoutqa/") in FANOUTQA_LEVELS:
         return fanoutqa_questions(spec.removeprefix("fanoutqa/"))
-    return read_qa(_file(spec, QA_FORMS, "QA set"))
+    if spec.startswith(MIRAGE_PREFIX):
+        return load_mirage(spec)
+    return check_choice_examples(spec, read_qa(_file(spec, QA_FORMS, "QA set")))

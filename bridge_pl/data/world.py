@@ -25,6 +25,12 @@ name per hop) and ``hop_queries`` (per hop, the search query one would issue: th
 the first hop of single/bridge questions, "<entity> <relation>" otherwise). Answers are short strings
 (a name, a lowercase currency word or a year) that occur in the last hop's gold passage (for
 comparisons: in one of the two gold passages).
+
+With ``mc_share > 0`` that share of the questions (drawn at random, in every split) is multiple choice:
+``metadata["options"]`` holds four lettered options drawn from the entities of the gold answer's kind (city,
+country, river, currency, person, year; a comparison's two names are both among them), the gold letter is
+uniform over the four, ``golden_answers`` is ``[letter]`` and ``metadata["answer_text"]`` the answer itself.
+The rest of the world (corpus, questions, free-text answers) is the same as with ``mc_share = 0``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bridge_pl.data.qa import Passage, QAExample, write_corpus, write_qa
+from bridge_pl.seeding import derive_seed
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr",
            "st", "th", "sh")
@@ -45,6 +52,8 @@ _ENDINGS = ("ar", "in", "ora", "ek", "ista", "ovo", "unde", "ath", "elle", "ak")
 _NOW = 2024  # no event is dated later
 _PROFESSIONS = ("painter", "architect", "composer", "chemist", "sculptor", "poet", "astronomer",
                 "engineer", "botanist", "cartographer", "historian", "physician")
+MC_SHARE = 0.5  # the share of multiple-choice questions in the named source world-mc/SPLIT
+MC_OPTIONS = 4
 _ORG_KINDS = {"Society": "learned society", "Guild": "craft guild", "Institute": "research institute",
               "Company": "trading company", "Academy": "school", "Foundation": "charitable foundation"}
 
@@ -376,6 +385,32 @@ def _comparisons(rng: random.Random, cities, people) -> list[_Q]:
     return list(out.values())
 
 
+def _answer_pools(countries, cities, people, pools: dict[str, list[_Q]]) -> dict[str, list[str]]:
+    """Every answer a multiple-choice option may show, by kind (sorted, so the draw is seed-stable)."""
+    years = {q.answer for qs in pools.values() for q in qs if q.answer.isdigit()}
+    return {
+        "country": sorted(c.name for c in countries), "currency": sorted(c.currency for c in countries),
+        "city": sorted(c.name for c in cities), "river": sorted({c.river for c in cities}),
+        "person": sorted(p.name for p in people), "year": sorted(years),
+    }
+
+
+def _as_choice(example: QAExample, pools: dict[str, list[str]], rng: random.Random) -> QAExample:
+    """``example`` as a multiple-choice question: the gold among ``MC_OPTIONS`` options of its kind, at a
+    uniformly drawn letter (a comparison keeps both compared names among the options)."""
+    gold = example.golden_answers[0]
+    pool = next(p for p in pools.values() if gold in p)
+    kept = [h for h in example.metadata["hops"] if h != gold] if example.metadata["type"] == "comparison" else []
+    others = [x for x in pool if x != gold and x not in kept]
+    wrong = kept + rng.sample(others, MC_OPTIONS - 1 - len(kept))
+    rng.shuffle(wrong)
+    wrong.insert(rng.randrange(MC_OPTIONS), gold)
+    options = {chr(ord("A") + i): text for i, text in enumerate(wrong)}
+    letter = next(k for k, v in options.items() if v == gold)
+    return QAExample(example.id, example.question, [letter],
+                     {**example.metadata, "options": options, "answer_text": gold})
+
+
 def build_world(
     seed: int = 0,
     n_people: int = 300,
@@ -387,6 +422,7 @@ def build_world(
     n_comparison: int = 400,
     n_dev: int = 150,
     n_test: int = 150,
+    mc_share: float = 0.0,
 ) -> World:
     """Generate a world from ``seed`` (``random.Random(seed)`` only; same seed -> same world).
 
@@ -394,7 +430,11 @@ def build_world(
     if the entities do not yield that many). The drawn questions are shuffled; the first ``n_dev`` form
     dev, the next ``n_test`` test, the rest train. Question texts are unique, so splits never share one.
     The defaults give ~1,840 passages and 2,000 questions (1,700 train) in well under a second.
+    ``mc_share`` of the questions are multiple choice (see the module docstring), drawn from their own random
+    stream, so everything else is as with ``mc_share=0``.
     """
+    if not 0.0 <= mc_share <= 1.0:
+        raise ValueError(f"build_world: mc_share must be in [0, 1], got {mc_share}")
     if n_countries < 1 or n_cities < max(2, n_countries) or n_people < 2 or not 0 <= n_orgs <= n_people:
         raise ValueError(
             "build_world needs n_countries >= 1, n_cities >= max(2, n_countries), n_people >= 2 and "
@@ -422,6 +462,11 @@ def build_world(
         )
         for i, q in enumerate(drawn)
     ]
+    if mc_share > 0:
+        answers = _answer_pools(*entities[:3], pools)
+        choice_rng = random.Random(derive_seed(seed, "multiple_choice"))
+        examples = [_as_choice(ex, answers, choice_rng) if choice_rng.random() < mc_share else ex
+                    for ex in examples]
     return World(corpus, train=examples[n_dev + n_test:], dev=examples[:n_dev],
                  test=examples[n_dev:n_dev + n_test], seed=seed)
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from bridge_pl.cli import BridgeCLI
+from bridge_pl.eval_mode import eval_mode
 from bridge_pl.rollout import RolloutEngine, SearchEnv
 from bridge_pl.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -157,7 +158,7 @@ def main() -> None:
                                                                               device=module.device)[:, None]).long()
     sampling = dict(do_sample=True, temperature=data.engine_args["temperature"], top_p=data.engine_args["top_p"],
                     pad_token_id=tok.pad_token_id, max_new_tokens=per_row, min_new_tokens=per_row)
-    with policy.generation_model() as model, torch.no_grad():
+    with policy.generation_model() as model, eval_mode(model), torch.no_grad():
         _, t_floor = timed(lambda: model.generate(input_ids=ids, attention_mask=attn, **sampling))
     floor = per_row * len(rows) / t_floor
 

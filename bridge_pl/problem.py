@@ -332,7 +332,7 @@ class RLProblem:
         values = {}
         weights = None
         if self.batch.sampler_logprobs is not None and self.mask is self.batch.action_mask:
-            mismatch = rl.truncated_is_weights(old, self.batch.sampler_logprobs[cols], mask, cfg.tis_cap or 1.0)
+            mismatch = rl.truncated_is_weights(old, self.batch.sampler_logprobs[cols], mask, cfg.tis_cap)
             values["rollout/sampler_logprob_gap"] = mismatch.mean_abs_gap
             if cfg.tis_cap is not None:
                 weights = mismatch.weights

@@ -356,7 +356,7 @@ class SamplerMismatch:
 
 @torch.no_grad()
 def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> SamplerMismatch:
+                         cap: float | None) -> SamplerMismatch:
     """Truncated importance sampling (TIS) of tokens drawn by a sampler that differs from π_old.
 
     The rollout engine samples with its own numerics (another kernel, merged bfloat16 weights), so the tokens
@@ -368,20 +368,20 @@ def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mas
         old_logp: ``[B, T]`` π_old log-probs of the sampled tokens (the trainer's forward).
         sampler_logp: ``[B, T]`` the sampler's log-probs of the same tokens, at the same temperature.
         mask: ``[B, T]`` action mask.
-        cap: C >= 1.
+        cap: C >= 1; None: no truncation (the plain ratios, for the gap alone).
     """
-    if cap < 1:
+    if cap is not None and cap < 1:
         raise ValueError(f"truncated importance sampling: cap must be >= 1, got {cap}")
     for name, x in (("old_logp", old_logp), ("sampler_logp", sampler_logp)):
         _check_same_shape(f"truncated_is_weights: {name}", x, mask)
     act = mask.bool()
     gap = _select(old_logp - sampler_logp, act)
     ratio = torch.exp(gap.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    weights = _select(ratio.clamp(max=cap), act)
+    truncated = act & (ratio > cap) if cap is not None else torch.zeros_like(act)
     return SamplerMismatch(
-        weights=weights,
+        weights=_select(ratio.clamp(max=cap), act),
         mean_abs_gap=masked_mean(gap.abs(), mask),
-        truncated_share=masked_mean((act & (ratio > cap)).to(old_logp.dtype), mask),
+        truncated_share=masked_mean(truncated.to(old_logp.dtype), mask),
     )
 
 

@@ -470,16 +470,19 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _build_engine(self, env: SearchEnv, policy) -> MultiTurnEngine:
         """The ``data.engine`` backend; ``auto`` tries vLLM (one process, where it imports) and falls back to hf."""
-        name = self.engine_name
+        engine = self._vllm_engine(env, policy) if self._wants_vllm() else RolloutEngine(env, **self.engine_args)
+        rank_zero_info(f"data.engine: rollouts generate with the {engine.name} backend")
+        return engine
+
+    def _wants_vllm(self) -> bool:
         single = self.trainer is None or self.trainer.world_size == 1
-        if name == "auto" and not (single and vllm_available()):
-            name = "hf"
-        if name == "hf":
-            rank_zero_info("data.engine: rollouts generate with bridge-pl's own decode loop (hf)")
-            return RolloutEngine(env, **self.engine_args)
-        if not single:
+        if self.engine_name == "vllm" and not single:
             raise ValueError(f"data.engine=vllm runs in one process; this run has {self.trainer.world_size} "
                              "(use data.engine=hf)")
+        return self.engine_name == "vllm" or (self.engine_name == "auto" and single and vllm_available())
+
+    def _vllm_engine(self, env: SearchEnv, policy) -> MultiTurnEngine:
+        """A vLLM backend, built and synced now; under ``auto`` the hf backend when vLLM cannot run the policy."""
         engine = VLLMRolloutEngine(env, **self.engine_args, config=self.vllm_config, seed=self.seed)
         try:
             engine.sync(policy)
@@ -490,7 +493,6 @@ class RolloutDataModule(L.LightningDataModule):
             rank_zero_warn(f"data.engine=auto: vLLM could not run this policy ({type(error).__name__}: "
                            f"{str(error).splitlines()[0] if str(error) else ''}); generating with hf")
             return RolloutEngine(env, **self.engine_args)
-        rank_zero_info("data.engine: rollouts generate with vLLM (in process)")
         return engine
 
     def _score(self, module: RolloutAgent, trajectories: list[Trajectory], per_traj: list[QAExample]

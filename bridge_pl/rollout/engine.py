@@ -175,7 +175,7 @@ class MultiTurnEngine:
         temperature, top_p: sampling parameters (ignored when ``greedy``).
     """
 
-    name = "base"
+    name: str  # the backend's data.engine name
 
     def __init__(
         self,

@@ -379,7 +379,7 @@ def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mas
     ratio = torch.exp(gap.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     truncated = act & (ratio > cap) if cap is not None else torch.zeros_like(act)
     return SamplerMismatch(
-        weights=_select(ratio.clamp(max=cap), act),
+        weights=_select(ratio if cap is None else ratio.clamp(max=cap), act),
         mean_abs_gap=masked_mean(gap.abs(), mask),
         truncated_share=masked_mean(truncated.to(old_logp.dtype), mask),
     )

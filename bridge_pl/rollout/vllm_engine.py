@@ -50,7 +50,7 @@ class VLLMConfig:
 
     Attributes:
         kv_cache_gb: CPU: GiB of memory for vLLM's KV cache (``VLLM_CPU_KVCACHE_SPACE``, unless set already).
-            The demo's 48 trajectories of up to ~700 tokens with SmolLM2 need about 1 GiB.
+            The demo's evaluation batch (96 trajectories of up to ~700 tokens with SmolLM2) needs about 1.5 GiB.
         gpu_memory_utilization: CUDA: share of the GPU's memory vLLM may take for its weights and KV cache; the
             rest is the trainer's.
         compile: let vLLM compile the model with torch.compile (slow to start; on CUDA also CUDA graphs). False:
@@ -61,6 +61,9 @@ class VLLMConfig:
             in, pushed in place), ``adapter`` (the LoRA adapter alone, saved to a temporary folder and served as a
             vLLM ``LoRARequest`` over the unchanged base; LoRA policies only), or ``auto`` (default): ``adapter``
             for a LoRA policy on CUDA, else ``merged`` (vLLM's CPU LoRA kernels sample several times slower).
+        sleep: CUDA: between rollouts, put the engine to sleep (vLLM sleep mode, level 1: its weights offloaded to
+            CPU memory, its KV cache freed), so the update has the GPU's memory; it wakes before the next rollout.
+            Not available on CPU (vLLM's sleep mode needs CUDA's memory pools).
     """
 
     kv_cache_gb: int = 2
@@ -69,6 +72,7 @@ class VLLMConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     weight_sync: WeightSync = "auto"
+    sleep: bool = False
 
     def __post_init__(self) -> None:
         require_choice("data.vllm.weight_sync", self.weight_sync, WeightSync)
@@ -80,12 +84,52 @@ class VLLMConfig:
             raise ValueError(f"data.vllm.max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"data.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.sleep and not torch.cuda.is_available():
+            raise ValueError("data.vllm.sleep=true needs CUDA (vLLM's sleep mode); set it to false on CPU")
 
 
 def _vllm_environment() -> None:
     """vLLM's settings that must be in the environment before it is imported (each unless the user set it)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the run's own
+
+
+class _ExpectedLoadNotices(logging.Filter):
+    """Drops vLLM's warnings about what bridge-pl does on purpose: on every push, the layers with nothing to push
+    (rotary embeddings; the LM head when it is the tied input embedding), and, with ``casting`` (while an engine is
+    built from a float32 folder into a bfloat16 engine), the one line per weight saying it was cast."""
+
+    def __init__(self, tied_head: bool, casting: bool = False) -> None:
+        super().__init__()
+        self.casting = casting
+        self.quiet = ("RotaryEmbedding: Failed to load weights",) + (
+            ("ParallelLMHead: Failed to load weights",) if tied_head else ())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cast = self.casting and message.startswith("Attempted to load weight") and "with dtype" in message
+        return not (cast or message.startswith(self.quiet))
+
+
+_LOAD_LOGGERS = ("vllm.model_executor.models.utils", "vllm.model_executor.model_loader.reload.layerwise")
+
+
+@contextlib.contextmanager
+def _expected_load_notices_dropped(tied_head: bool) -> Iterator[None]:
+    """While building: drop the cast and push notices; afterwards (every push): the push notices only."""
+    loggers = [logging.getLogger(name) for name in _LOAD_LOGGERS]
+    for logger in loggers:
+        for old in [f for f in logger.filters if isinstance(f, _ExpectedLoadNotices)]:
+            logger.removeFilter(old)
+    building = _ExpectedLoadNotices(tied_head, casting=True)
+    for logger in loggers:
+        logger.addFilter(building)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(building)
+            logger.addFilter(_ExpectedLoadNotices(tied_head))
 
 
 def vllm_available() -> bool:
@@ -141,6 +185,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
         self.llm = None
         self._started = False  # an engine was (being) built: vLLM's process group may exist
         self.synced: str | None = None  # weights_digest of what the engine holds
+        self.asleep = False
         self.syncs = 0
         self.adapter: object | None = None  # the LoRARequest every request names (adapter sync), else None
         self._adapter_dir: Path | None = None
@@ -167,14 +212,15 @@ class VLLMRolloutEngine(MultiTurnEngine):
                 raise ValueError(f"vLLM serves LoRA ranks up to {ranks[-1]}; policy.lora_r is {peft_config.r}")
             lora = dict(enable_lora=True, max_loras=1, max_lora_rank=rank)
         self._started = True
-        with _process_state_kept():
+        tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
+        with _process_state_kept(), _expected_load_notices_dropped(tied_head):
             from vllm import LLM
 
             self.llm = LLM(
                 model=hf_config.name_or_path, dtype=str(policy.weight_dtype).removeprefix("torch."), seed=self.seed,
                 enable_prefix_caching=True, enforce_eager=not cfg.compile, logprobs_mode="processed_logprobs",
                 max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
-                gpu_memory_utilization=cfg.gpu_memory_utilization, **lora,
+                gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep, **lora,
             )
             # one token now: kernels that cannot run this model (e.g. CPU attention below 32-wide heads) fail here
             from vllm import SamplingParams
@@ -206,7 +252,11 @@ class VLLMRolloutEngine(MultiTurnEngine):
         last push (or never were pushed). Returns whether it pushed."""
         if self.llm is None:
             self._build(policy)
-        elif policy.hf_model.config.name_or_path != self.llm.llm_engine.model_config.model:
+        elif self.asleep:
+            torch.cuda.empty_cache()  # what the update's allocator cached goes back, for the engine to take again
+            self.llm.wake_up()
+            self.asleep = False
+        if policy.hf_model.config.name_or_path != self.llm.llm_engine.model_config.model:
             raise ValueError(f"this vLLM engine holds {self.llm.llm_engine.model_config.model}, not "
                              f"{policy.hf_model.config.name_or_path}: one engine serves one policy")
         digest = weights_digest(policy)
@@ -227,7 +277,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
             return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        self.llm, self.synced, self._started, self.adapter = None, None, False, None
+        self.llm, self.synced, self._started, self.adapter, self.asleep = None, None, False, None, False
         cleanup_dist_env_and_memory()
         if self._adapter_dir is not None:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
@@ -237,11 +287,15 @@ class VLLMRolloutEngine(MultiTurnEngine):
     def rollout(self, policy, prompts, search_fn: SearchFn, n_samples: int = 1, greedy: bool = False,
                 generator: torch.Generator | None = None) -> list[Trajectory]:
         self._check_request(prompts, n_samples)
-        self.sync(policy)
+        self.sync(policy)  # wakes a sleeping engine first
         tokenizer = policy.tokenizer
         decoder = _VLLMDecoder(self, prompts, n_samples, sorted(eos_token_ids(policy.hf_model, tokenizer)), greedy,
                                generator)
-        return self._episodes(decoder, tokenizer, prompts, search_fn, n_samples)
+        trajectories = self._episodes(decoder, tokenizer, prompts, search_fn, n_samples)
+        if self.config.sleep:  # the update that follows gets the engine's GPU memory
+            self.llm.sleep(level=1)
+            self.asleep = True
+        return trajectories
 
 
 class _VLLMDecoder:

@@ -29,9 +29,12 @@ class WarmStart(L.Callback):
             the hop's entity alone when the raw question was searched already; ``bridge_pl.warm_start``).
         source: QA source of the demonstrations (default: the datamodule's training set).
         seed: seeds which examples are used and the noise (None, the default: the datamodule's seed).
-        evaluate: measure greedy EM on the validation sets before and after the warm start (printed and
-            logged as ``warm_start/{before,after}/<dataset>/em``), so the run shows what RL adds on top; at the
-            end of ``fit`` one line per dataset sums up before / after the warm start / last validation.
+        evaluate: measure greedy EM on the validation sets after the warm start, and before it unless
+            ``evaluate_before`` is False (printed and logged as ``warm_start/{before,after}/<dataset>/em``), so the
+            run shows what RL adds on top; at the end of ``fit`` one line per dataset sums up (before /) after the
+            warm start / last validation.
+        evaluate_before: with ``evaluate``, also measure before the warm start (False: after it only, one
+            evaluation less; the summary then starts at the warm-started policy).
         save_to: folder to save the warm-started policy in (peft layout; rank 0), so later runs can start
             from it with ``policy.adapter`` instead of repeating the warm start.
     """
@@ -39,13 +42,13 @@ class WarmStart(L.Callback):
     def __init__(
         self, steps: int = 50, batch_size: int = 8, lr: float = 1e-3, noise: float = 0.3,
         source: str | None = None, seed: int | None = None, grad_clip: float = 1.0, evaluate: bool = True,
-        save_to: str | None = None,
+        evaluate_before: bool = True, save_to: str | None = None,
     ) -> None:
         if not 0 <= noise <= 1:
             raise ValueError(f"WarmStart.noise must be in [0, 1], got {noise}")
         self.steps, self.batch_size, self.lr, self.noise = steps, batch_size, lr, noise
         self.source, self.seed, self.grad_clip, self.evaluate = source, seed, grad_clip, evaluate
-        self.save_to = save_to
+        self.evaluate_before, self.save_to = evaluate_before, save_to
         self.em: dict[str, dict[str, float]] = {}  # "before"/"after" -> dataset -> EM
         self.accuracy: dict[str, dict[str, float]] = {}  # the same, multiple-choice questions' accuracy
 
@@ -82,7 +85,7 @@ class WarmStart(L.Callback):
         if trainer.ckpt_path is not None or trainer.global_step > 0:
             rank_zero_info("WarmStart: resuming from a checkpoint, warm start skipped")
             return
-        if self.evaluate:
+        if self.evaluate and self.evaluate_before:
             self._evaluate(trainer, pl_module, "before")
         data = trainer.datamodule
         policy = pl_module.policy
@@ -131,20 +134,25 @@ class WarmStart(L.Callback):
             self._evaluate(trainer, pl_module, "after")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
-        """Print each validation set's EM before the warm start, after it, and at the last validation, and
-        the gain of each phase."""
+        """Print each validation set's EM before the warm start (when measured), after it, and at the last
+        validation, and the gain of each phase."""
         for name, after in self.em.get("after", {}).items():
             final = trainer.callback_metrics.get(f"val/{name}/em")
             if final is not None:
-                before, final = self.em["before"][name], float(final)
-                rank_zero_info(
-                    f"WarmStart: {name} EM {before:.3f} before the warm start -> {after:.3f} after it -> {final:.3f} "
-                    f"after RL (step {trainer.global_step}): warm start {after - before:+.3f}, RL {final - after:+.3f}"
-                )
+                rank_zero_info(self._summary(f"{name} EM", self.em.get("before", {}).get(name), after, float(final),
+                                             trainer.global_step))
             accuracy = trainer.callback_metrics.get(f"val/{name}/accuracy")
             if accuracy is not None and name in self.accuracy.get("after", {}):
-                before, after, final = self.accuracy["before"][name], self.accuracy["after"][name], float(accuracy)
-                rank_zero_info(
-                    f"WarmStart: {name} multiple-choice accuracy {before:.3f} before the warm start -> {after:.3f} "
-                    f"after it -> {final:.3f} after RL: warm start {after - before:+.3f}, RL {final - after:+.3f}"
-                )
+                rank_zero_info(self._summary(f"{name} multiple-choice accuracy",
+                                             self.accuracy.get("before", {}).get(name), self.accuracy["after"][name],
+                                             float(accuracy), trainer.global_step))
+
+    @staticmethod
+    def _summary(what: str, before: float | None, after: float, final: float, step: int) -> str:
+        """The end-of-fit line: ``what`` before the warm start (when measured), after it and after RL, and what
+        each phase added."""
+        if before is None:
+            return (f"WarmStart: {what} {after:.3f} after the warm start -> {final:.3f} after RL (step {step}): "
+                    f"RL {final - after:+.3f}")
+        return (f"WarmStart: {what} {before:.3f} before the warm start -> {after:.3f} after it -> {final:.3f} after "
+                f"RL (step {step}): warm start {after - before:+.3f}, RL {final - after:+.3f}")

@@ -122,3 +122,12 @@ def test_adapter_option_errors_name_the_option(tmp_path):
         Policy("tiny-llama", dtype="float32", adapter=str(tmp_path))
     with pytest.raises(ValueError, match="policy.adapter"):
         Policy("tiny-llama", dtype="float32", lora=False, adapter=str(tmp_path))
+
+
+def test_the_summary_without_the_evaluation_before_starts_at_the_warm_started_policy():
+    assert WarmStart._summary("world_dev EM", None, 0.25, 0.375, 5) == (
+        "WarmStart: world_dev EM 0.250 after the warm start -> 0.375 after RL (step 5): RL +0.125")
+    assert WarmStart._summary("world_dev EM", 0.0, 0.25, 0.375, 5) == (
+        "WarmStart: world_dev EM 0.000 before the warm start -> 0.250 after it -> 0.375 after RL (step 5): "
+        "warm start +0.250, RL +0.125")
+    assert WarmStart(evaluate_before=False).evaluate_before is False

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import fit_tiny
+from helpers import fit_tiny, searching, tiny_cli
 
 from bridge_pl.cli import main
 from bridge_pl.data.packaged import wikipedia_corpus
@@ -31,6 +31,7 @@ from bridge_pl.retrieval.store import (
     write_embedding_shard,
     write_passage_store,
 )
+from callbacks import LossLandscape, WarmStart
 
 BUILD = ["index", "build", "--corpus", "world", "--encoder", "tiny-bert", "--kind", "ivf_pq", "--nbits", "4",
          "--chunk-size", "200", "--quiet"]
@@ -197,6 +198,28 @@ def test_the_tiny_config_trains_with_a_prebuilt_ivf_pq_index(world_index, tmp_pa
     queries = ["who studied under a physician"]
     scores, rows = retriever.search(queries, 4)
     torch.testing.assert_close(retriever.score(queries, rows).detach(), scores)
+
+
+@pytest.mark.slow
+def test_the_demo_trains_with_a_prebuilt_ivf_pq_index_of_its_own_encoder(tmp_path):
+    """``configs/demo.yaml`` (SmolLM2 and MiniLM, unchanged) for one iteration over an ivf_pq index built with the
+    demo's MiniLM, fewer prompts per iteration; its warm start and landscape probe are left out (their cost is not the
+    index's)."""
+    index = tmp_path / "world-minilm"
+    main(["index", "build", "--corpus", "world", "--encoder", "minilm-l6", "--kind", "ivf_pq", "--nbits", "4",
+          "--quiet", "--out", str(index)])
+    demo = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+    cli = tiny_cli(tmp_path / "fit", f"--model.retriever.init_args.index_path={index}",
+                   "--model.retriever.init_args.corpus=null", "--trainer.max_steps=1", "--trainer.val_check_interval=1",
+                   "--data.batch_size=2", "--data.n_samples=4", "--data.max_sampling_rounds=1",
+                   "--data.max_eval_examples=4", "--data.eval_batch_size=4", "--data.engine=hf", configs=(demo,))
+    cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, WarmStart | LossLandscape)]
+    with searching(cli.model.policy):  # the base policy, not warm-started, steered to search
+        cli.trainer.fit(cli.model, cli.datamodule)
+    retriever = cli.model.retriever
+    assert cli.trainer.global_step == 1 and retriever.version == 1
+    assert isinstance(retriever.passages, PassageStore) and retriever.index.kind == "ivf_pq"
+    assert "val/world_dev/em" in cli.trainer.callback_metrics
 
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")

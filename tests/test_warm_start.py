@@ -130,4 +130,14 @@ def test_the_summary_without_the_evaluation_before_starts_at_the_warm_started_po
     assert WarmStart._summary("world_dev EM", 0.0, 0.25, 0.375, 5) == (
         "WarmStart: world_dev EM 0.000 before the warm start -> 0.250 after it -> 0.375 after RL (step 5): "
         "warm start +0.250, RL +0.125")
-    assert WarmStart(evaluate_before=False).evaluate_before is False
+
+
+def test_without_the_evaluation_before_only_the_warm_started_policy_is_measured(tmp_path, caplog):
+    warm = WarmStart(steps=1, batch_size=2, evaluate_before=False)
+    with caplog.at_level(logging.INFO):
+        cli = fit_tiny(tmp_path, "--trainer.max_steps=1", "--trainer.val_check_interval=1", callbacks=(warm,))
+    assert set(warm.em) == {"after"}
+    assert "before warm start" not in caplog.text
+    after, final = warm.em["after"]["world_dev"], float(cli.trainer.callback_metrics["val/world_dev/em"])
+    assert f"world_dev EM {after:.3f} after the warm start -> {final:.3f} after RL (step 1): RL {final - after:+.3f}" \
+        in caplog.text

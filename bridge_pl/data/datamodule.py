@@ -29,7 +29,7 @@ from bridge_pl.data.qa import QAExample, QASpec
 from bridge_pl.data.sources import load_qa
 from bridge_pl.distributed import gather_per_rank, this_ranks
 from bridge_pl.policy import BranchedSequence
-from bridge_pl.rewards import ExactMatchReward, RewardFunction, choice_letter, choice_score, extract_answer
+from bridge_pl.rewards import ExactMatchReward, RewardFunction, choice_letter, extract_answer
 from bridge_pl.rollout.agent import RolloutAgent
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import MultiTurnEngine, RolloutEngine, Trajectory
@@ -507,8 +507,8 @@ class RolloutDataModule(L.LightningDataModule):
             text = policy_text(trajectory, tokenizer)
             answer = extract_answer(text, **tags)
             if options := ex.metadata.get("options"):
-                scores.append((choice_letter(answer, options) or answer,
-                               choice_score(answer, ex.golden_answers[0], options)))
+                letter = choice_letter(answer, options)  # the reward is choice_score's: the gold letter named
+                scores.append((letter or answer, float(letter == ex.golden_answers[0])))
             else:
                 scores.append((answer, self.reward(text, ex.golden_answers)))
         return scores

@@ -40,6 +40,8 @@ from bridge_pl.retrieval.index import topk_overlap
 WIKI18_N, WIKI18_D = 21_015_324, 768
 LATENT, NOISE = 64, 0.15
 K = 10
+TIMING_FILE = "build_seconds.json"
+SHARED_NOT = (INDEX_FILE, INDEX_FILE + ".b2", "manifest.json", TIMING_FILE)  # each kind's own files: never linked
 QUERY_STREAM = 2**62  # the queries' random stream (corpus streams are row numbers)
 WORDS = np.array(("river city king born founded capital war empire music science church school village mountain "
                   "island army company language author novel film team league season bridge railway station museum "
@@ -95,14 +97,14 @@ def build(folder: Path, args, options: dict, store_from: Path | None) -> float:
     folder.mkdir(parents=True, exist_ok=True)
     if store_from is not None:
         for path in store_from.iterdir():
-            if path.name not in (INDEX_FILE, INDEX_FILE + ".b2", "manifest.json") and not (folder / path.name).exists():
+            if path.name not in SHARED_NOT and not (folder / path.name).exists():
                 os.link(path, folder / path.name)
     synthetic = Synthetic(args.dim, args.clusters, args.seed)
     corpus = LazyCorpus(args.n, args.words, args.chunk)
     def encode(texts: list[str]) -> np.ndarray:  # one shard: its first row is named in its first title
         return synthetic.draw(len(texts), int(texts[0].split()[1].rstrip('"')))
 
-    timing = folder / "build_seconds.json"  # a rerun on a finished --work folder reports the first build's time
+    timing = folder / TIMING_FILE  # a rerun on a finished --work folder reports the first build's time
     start = time.perf_counter()
     build_index("synthetic", corpus, f"synthetic-{args.n}-{args.seed}", folder, EncoderSettings("synthetic"),
                 encode, "synthetic", args.dim, options, chunk_rows=args.chunk, progress=True)
@@ -131,10 +133,11 @@ def memory(index_file: Path | None = None) -> dict[str, int]:
     return out
 
 
-def serve(folder: Path, queries: Path, out: Path, batch: int, rerank_factor: int, nprobe: int | None) -> None:
+def serve(folder: Path, queries: Path, out: Path, batch: int, rerank_factor: int, nprobe: int | None,
+          threads: int) -> None:
     """One process: open the index + stores, answer every query (and read the shown passages' text), record
     memory, then wait for a line on stdin and record PSS again (with the other process alive)."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)  # torch and FAISS share one OpenMP runtime: this sizes FAISS's threads too
     before = memory()
     built = BuiltIndex(folder, nprobe=nprobe)
     q = torch.from_numpy(np.load(queries))
@@ -162,7 +165,7 @@ def measure(folder: Path, queries: Path, work: Path, args) -> tuple[dict, dict, 
     def start(name: str) -> subprocess.Popen:
         cmd = [sys.executable, __file__, "--serve", str(folder), "--query-file", str(queries),
                "--record", str(work / name), "--batch", str(args.batch), "--rerank-factor", str(args.rerank_factor),
-               "--nprobe", str(args.nprobe)]
+               "--nprobe", str(args.nprobe), "--threads", str(args.threads)]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         assert proc.stdout.readline().strip() == "ready", f"{name} failed"
@@ -215,7 +218,8 @@ def main() -> None:
     p.add_argument("--query-file", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        serve(Path(args.serve), Path(args.query_file), Path(args.record), args.batch, args.rerank_factor, args.nprobe)
+        serve(Path(args.serve), Path(args.query_file), Path(args.record), args.batch, args.rerank_factor, args.nprobe,
+              args.threads)
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="index_scale_"))
     work.mkdir(parents=True, exist_ok=True)

@@ -25,13 +25,16 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
 from bridge_pl.rewards import answer_scores
+
+if TYPE_CHECKING:
+    from bridge_pl.rollout.batch import RolloutBatch
 
 _STATES = ("em", "f1", "sub_em", "turns", "searches", "questions", "valid_actions", "actions", "correct_choices",
            "choice_questions")
@@ -117,6 +120,15 @@ class QAMetrics(Metric):
         for field, values in tensors.items():
             setattr(self, field, getattr(self, field) + values.sum().item())
         self.questions += n
+
+    def update_from_rollouts(self, batch: RolloutBatch) -> None:
+        """Add one evaluation ``RolloutBatch``: its answers, golds, turn and search counts, actions and the
+        options of its multiple-choice questions (``metadata["options"]``)."""
+        self.update(
+            batch.answers, batch.golds, batch.turns.tolist(), batch.num_searches.tolist(),
+            batch.valid_actions.tolist(), (batch.valid_actions + batch.invalid_actions).tolist(),
+            [m.get("options") for m in batch.metadata],
+        )
 
     def compute(self) -> dict[str, Tensor]:
         """``{em, f1, sub_em, turns, searches, valid_action_rate}`` and, with multiple-choice questions,

@@ -408,11 +408,7 @@ class BridgeModule(L.LightningModule):
         key = f"{stage}/{batch.dataset}"
         if key not in self.metrics:
             self.metrics[key] = QAMetrics().to(self.device)
-        actions = (batch.valid_actions + batch.invalid_actions).tolist()
-        self.metrics[key].update(
-            batch.answers, batch.golds, batch.turns.tolist(), batch.num_searches.tolist(),
-            batch.valid_actions.tolist(), actions, [m.get("options") for m in batch.metadata],
-        )
+        self.metrics[key].update_from_rollouts(batch)
         self.last_eval_batches.setdefault(key, []).append(batch)
 
     def _eval_epoch_end(self, stage: str) -> None:

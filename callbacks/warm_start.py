@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
 from bridge_pl.distributed import average_replicated_grads
-from bridge_pl.rewards import answer_scores
+from bridge_pl.metrics import QAMetrics
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
 from bridge_pl.warm_start import demonstration_segments, sft_loss, tokenize_demonstration
@@ -58,28 +58,26 @@ class WarmStart(L.Callback):
         self.em[when] = {}
         for name, source in data.val_sources.items():
             examples = data.load(source, data.max_eval_examples)
-            scores, choices = [], []
+            metric = QAMetrics().to(pl_module.device)
             # the forwards run in the steps' precision context (bf16-mixed: autocast), which Lightning opens only
             # around its own steps: the EM after the warm start is step 0 of the val/<dataset>/em curve
             with trainer.precision_plugin.forward_context():
                 for start in range(0, len(examples), data.eval_batch_size):
-                    batch = data.rollout(pl_module, examples[start : start + data.eval_batch_size], False, name)
-                    for a, g, m in zip(batch.answers, batch.golds, batch.metadata):
-                        scores.append(answer_scores(a, g, m.get("options"))["em"])
-                        if m.get("options"):
-                            choices.append(scores[-1])
-            self.em[when][name] = sum(scores) / max(1, len(scores))
-            values = {"em": self.em[when][name]}
-            if choices:  # multiple-choice questions: their accuracy, as val/<name>/accuracy
-                values["accuracy"] = self.accuracy.setdefault(when, {})[name] = sum(choices) / len(choices)
+                    metric.update_from_rollouts(
+                        data.rollout(pl_module, examples[start : start + data.eval_batch_size], False, name))
+            result = metric.compute()
+            values = {key: float(result[key]) for key in ("em", "accuracy") if key in result}
+            self.em[when][name] = values["em"]
+            if "accuracy" in values:  # multiple-choice questions: their accuracy, as val/<name>/accuracy
+                self.accuracy.setdefault(when, {})[name] = values["accuracy"]
             if trainer.logger is not None:
                 metrics = {f"warm_start/{when}/{name}/{key}": value for key, value in values.items()}
                 if when == "after":  # the first point of the val/<name>/em curve: RL starts here (step 0)
                     metrics.update({f"val/{name}/{key}": value for key, value in values.items()})
                 trainer.logger.log_metrics(metrics, step=0)
             shown = ", ".join(f"{key} {value:.3f}" for key, value in values.items())
-            rank_zero_info(f"WarmStart: {name} {when} warm start: {shown} ({len(scores)} questions, "
-                           f"{len(choices)} multiple choice)")
+            rank_zero_info(f"WarmStart: {name} {when} warm start: {shown} ({len(examples)} questions, "
+                           f"{sum(bool(ex.metadata.get('options')) for ex in examples)} multiple choice)")
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.ckpt_path is not None or trainer.global_step > 0:

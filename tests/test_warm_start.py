@@ -8,9 +8,9 @@ import torch
 from helpers import fit_tiny
 
 from bridge_pl.data.qa import QAExample
+from bridge_pl.metrics import QAMetrics
 from bridge_pl.models import load_tokenizer
 from bridge_pl.policy import Policy
-from bridge_pl.rewards import answer_scores
 from bridge_pl.rollout.engine import SearchOutcome
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
 from bridge_pl.warm_start import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
@@ -110,7 +110,13 @@ def test_warm_start_forwards_run_in_the_trainers_precision_context(tmp_path, mon
         return call
 
     monkeypatch.setattr(warm_start_callback, "sft_loss", recorded("sft forwards", sft_loss))
-    monkeypatch.setattr(warm_start_callback, "answer_scores", recorded("evaluations", answer_scores))
+
+    class RecordedMetrics(QAMetrics):  # scored inside the evaluation's context, right after each rollout batch
+        def update_from_rollouts(self, batch):
+            autocast.setdefault("evaluations", set()).add(torch.is_autocast_enabled("cpu"))
+            super().update_from_rollouts(batch)
+
+    monkeypatch.setattr(warm_start_callback, "QAMetrics", RecordedMetrics)
     warm = WarmStart(steps=2, batch_size=1)
     fit_tiny(tmp_path, "--trainer.max_steps=1", "--trainer.precision=bf16-mixed", callbacks=(warm,))
     assert autocast == {"sft forwards": {True}, "evaluations": {True}}

@@ -41,7 +41,7 @@ WIKI18_N, WIKI18_D = 21_015_324, 768
 LATENT, NOISE = 64, 0.15
 K = 10
 TIMING_FILE = "build_seconds.json"
-SHARED_NOT = (INDEX_FILE, INDEX_FILE + ".b2", "manifest.json", TIMING_FILE)  # each kind's own files: never linked
+OWN_FILES = (INDEX_FILE, INDEX_FILE + ".b2", "manifest.json", TIMING_FILE)  # each kind's own files: never linked
 QUERY_STREAM = 2**62  # the queries' random stream (corpus streams are row numbers)
 WORDS = np.array(("river city king born founded capital war empire music science church school village mountain "
                   "island army company language author novel film team league season bridge railway station museum "
@@ -97,7 +97,7 @@ def build(folder: Path, args, options: dict, store_from: Path | None) -> float:
     folder.mkdir(parents=True, exist_ok=True)
     if store_from is not None:
         for path in store_from.iterdir():
-            if path.name not in SHARED_NOT and not (folder / path.name).exists():
+            if path.name not in OWN_FILES and not (folder / path.name).exists():
                 os.link(path, folder / path.name)
     synthetic = Synthetic(args.dim, args.clusters, args.seed)
     corpus = LazyCorpus(args.n, args.words, args.chunk)

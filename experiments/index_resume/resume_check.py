@@ -20,13 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from bridge_pl.files import digest_path
 from bridge_pl.retrieval.built_index import INDEX_FILE
 from bridge_pl.retrieval.store import shard_path
-
-
-def digest_path(folder: Path, shard: int) -> Path:
-    """The digest file written once shard ``shard`` is complete: the build's resume marker."""
-    return Path(f"{shard_path(folder, shard)}.b2")
 
 
 def build_command(args, out: Path) -> list[str]:
@@ -47,7 +43,7 @@ def killed_build(args, out: Path, fraction: float) -> int:
     proc = subprocess.Popen(build_command(args, out))
 
     def wait_for(shard: int) -> None:
-        while not digest_path(out, shard).exists():
+        while not digest_path(shard_path(out, shard)).exists():  # the shard is finished
             assert proc.poll() is None, f"the build ended before shard {shard} was finished"
             time.sleep(0.005)
 
@@ -88,7 +84,7 @@ def main() -> None:
         out = work / name.replace(" ", "_")
         done = killed_build(args, out, fraction)
         assert not (out / INDEX_FILE).exists(), "the build finished before the kill"
-        kept = {q.name: q.stat().st_mtime_ns for q in out.glob("emb-*.f16") if Path(f"{q}.b2").exists()}
+        kept = {q.name: q.stat().st_mtime_ns for q in out.glob("emb-*.f16") if digest_path(q).exists()}
         resume_s = run_build(args, out)
         rewritten = sum((out / n).stat().st_mtime_ns != t for n, t in kept.items())
         print(f"| {name} | {done} of {shards} | {resume_s:.1f} | {files(out) == reference} | {rewritten} |")

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from compare_modes import hop_recall  # noqa: E402
 
+from bridge_pl.checkpoint_io import checkpoint_problem  # noqa: E402
 from bridge_pl.cli import BridgeCLI  # noqa: E402
 
 
@@ -31,7 +32,9 @@ def main() -> None:
     examples = cli.datamodule.load(args.split)
     print(f"as built: {hop_recall(cli.model, examples):.3f}")
     for path in args.checkpoints:
-        cli.model.load_state_dict(torch.load(path, map_location="cpu", weights_only=False)["state_dict"], strict=False)
+        if problem := checkpoint_problem(path):
+            raise SystemExit(f"{path}: {problem}")
+        cli.model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"], strict=False)
         print(f"{path}: {hop_recall(cli.model, examples):.3f}")
 
 

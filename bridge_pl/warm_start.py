@@ -3,9 +3,12 @@
 A demonstration is what a competent agent would have written for a training question: a ``<think>``,
 one ``<search>`` per hop (the hop queries the data records, e.g. the world's ``hop_queries``), the
 passages the *current* retriever really returns for each query (top-k, so a miss stays a miss), then the
-gold ``<answer>``. Demonstrations are deliberately imperfect: with probability ``noise`` a hop query is
-replaced by a weaker one, so RL and the retriever still have something to fix: the raw question, or, when
-the demonstration already searched the raw question, the hop's entity name alone (``metadata["hops"]``).
+gold ``<answer>``: on a multiple-choice question its letter, or the gold option's text (``choice_answer="text"``,
+which answer extraction maps back to the letter: a small policy learns to copy a name from the evidence much
+sooner than to find that name among the options and write the letter before it). Demonstrations are
+deliberately imperfect: with probability ``noise`` a hop query is replaced by a weaker one, so RL and the
+retriever still have something to fix: the raw question, or, when the demonstration already searched the raw
+question, the hop's entity name alone (``metadata["hops"]``).
 Repeating a query teaches nothing but a useless search: it returns the same passages.
 Only the agent's own tokens are trained on (observations are masked, as in RL).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -30,11 +34,13 @@ class Demonstration:
 
 
 def demonstration_segments(
-    example: QAExample, env: SearchEnv, retrieve, rng: random.Random, noise: float
+    example: QAExample, env: SearchEnv, retrieve, rng: random.Random, noise: float,
+    choice_answer: Literal["letter", "text"] = "letter",
 ) -> list[tuple[str, bool]]:
     """The response of one demonstration as (text, written-by-the-agent) segments.
 
     ``retrieve(queries) -> list[SearchOutcome]`` is the deterministic (top-k) retrieval of the module.
+    ``choice_answer``: what a multiple-choice question's demonstration answers, the gold letter or its option's text.
     """
     cfg = env.config
     entities = example.metadata.get("hops") or []
@@ -52,7 +58,7 @@ def demonstration_segments(
         lead = "I need to look this up." if i == 0 else "I need one more fact."
         segments.append((f"{cfg.wrap('think', lead)}\n{cfg.wrap('search', query)}", True))
         segments.append((env.observation(outcome.passages), False))
-    answer = example.golden_answers[0]
+    answer = example.gold_text if choice_answer == "text" else example.golden_answers[0]
     segments.append((f"{cfg.wrap('think', 'I have the answer.')}\n{cfg.wrap('answer', answer)}", True))
     return segments
 

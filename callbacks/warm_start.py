@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Literal
 
 import lightning as L
 import torch
@@ -35,6 +36,9 @@ class WarmStart(L.Callback):
             warm start / last validation.
         evaluate_before: with ``evaluate``, also measure before the warm start (False: after it only, one
             evaluation less; the summary then starts at the warm-started policy).
+        choice_answer: what a multiple-choice demonstration answers: ``"letter"`` (the gold letter, as the
+            prompt's example shows) or ``"text"`` (the gold option's text, which answer extraction maps to its
+            letter; for a policy too small to map the evidence to a letter: ``configs/world_mc.yaml``).
         save_to: folder to save the warm-started policy in (peft layout; rank 0), so later runs can start
             from it with ``policy.adapter`` instead of repeating the warm start.
     """
@@ -42,13 +46,15 @@ class WarmStart(L.Callback):
     def __init__(
         self, steps: int = 50, batch_size: int = 8, lr: float = 1e-3, noise: float = 0.3,
         source: str | None = None, seed: int | None = None, grad_clip: float = 1.0, evaluate: bool = True,
-        evaluate_before: bool = True, save_to: str | None = None,
+        evaluate_before: bool = True, choice_answer: Literal["letter", "text"] = "letter", save_to: str | None = None,
     ) -> None:
         if not 0 <= noise <= 1:
             raise ValueError(f"WarmStart.noise must be in [0, 1], got {noise}")
+        if choice_answer not in ("letter", "text"):
+            raise ValueError(f"WarmStart.choice_answer must be 'letter' or 'text', got {choice_answer!r}")
         self.steps, self.batch_size, self.lr, self.noise = steps, batch_size, lr, noise
         self.source, self.seed, self.grad_clip, self.evaluate = source, seed, grad_clip, evaluate
-        self.evaluate_before, self.save_to = evaluate_before, save_to
+        self.evaluate_before, self.choice_answer, self.save_to = evaluate_before, choice_answer, save_to
         self.em: dict[str, dict[str, float]] = {}  # "before"/"after" -> dataset -> EM
         self.accuracy: dict[str, dict[str, float]] = {}  # the same, multiple-choice questions' accuracy
 
@@ -103,7 +109,8 @@ class WarmStart(L.Callback):
             demos = []
             for example in rng.sample(examples, self.batch_size):
                 segments = demonstration_segments(
-                    example, env, lambda qs: pl_module.retrieve(qs, stochastic=False), rng, self.noise
+                    example, env, lambda qs: pl_module.retrieve(qs, stochastic=False), rng, self.noise,
+                    self.choice_answer,
                 )
                 prompt = data.prompt_ids(tokenizer, example.question, example.metadata.get("options"))
                 demos.append(tokenize_demonstration(prompt, segments, tokenizer))

@@ -104,6 +104,18 @@ def test_unmasked_ablation_trains_observation_tokens_from_their_real_old_logprob
     assert grad[observations & rows_with_signal[:, None]].abs().min() > 0
 
 
+def test_lm_credit_of_a_multiple_choice_question_scores_the_gold_option_text(tmp_path):
+    path = tmp_path / "mc.jsonl"
+    options = {"A": "Rome", "B": "Paris", "C": "Lyon", "D": "Oslo"}
+    rows = [{"id": f"q{i}", "question": f"Which city is number {i}?", "options": options, "golden_answers": ["B"]}
+            for i in range(2)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    module, batch = _module_and_batch(tmp_path, "--model.mode=bridge", "--data.max_response_tokens=400",
+                                      answers=(), qa=str(path))
+    target = module.policy.tokenizer(" Paris", add_special_tokens=False)["input_ids"]
+    assert batch.credit_sequences and all(seq.target == target for seq in batch.credit_sequences)
+
+
 def test_a_batch_without_reward_variance_leaves_the_policy_untouched(tmp_path, city_qa):
     module, batch = _module_and_batch(tmp_path, "--model.mode=bridge", answers=(" Rome",), qa=city_qa)
     assert batch.rewards.sum() == 0  # every answer wrong under EM: no group has variance

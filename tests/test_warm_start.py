@@ -47,6 +47,25 @@ def test_demonstration_follows_the_hops_and_trains_only_agent_text():
     assert segments[-1][0].endswith("<answer> Lindo </answer>")
 
 
+def test_a_multiple_choice_demonstration_answers_the_letter_or_the_option_text():
+    env = SearchEnv(EnvConfig(), load_tokenizer("tiny-llama"))
+    options = {"A": "Mopek", "B": "Lindo", "C": "Vutrar", "D": "Daikek"}
+    example = QAExample("q2", "Where was Ada Vell born?", ["B"], {"hop_queries": ["Ada Vell"], "options": options})
+
+    def retrieve(qs):
+        return [SearchOutcome(candidate_rows=[0], passage_rows=[0], logprob=0.0, passages=[]) for _ in qs]
+
+    def answer(choice_answer):
+        segments = demonstration_segments(example, env, retrieve, random.Random(0), 0.0, choice_answer)
+        return segments[-1][0].rsplit("\n", 1)[-1]
+
+    assert answer("letter") == "<answer> B </answer>"
+    assert answer("text") == "<answer> Lindo </answer>"  # choice_letter reads it as B
+    assert _example().gold_text == "Lindo"  # a free-text question answers its first gold answer either way
+    with pytest.raises(ValueError, match="choice_answer"):
+        WarmStart(choice_answer="option")
+
+
 def test_noise_weakens_hop_queries_without_repeating_one():
     _, clean = _segments(noise=0.0)
     _, noisy = _segments(noise=1.0)

@@ -50,8 +50,8 @@ CHOICE_INSTRUCTION = (
     "Answer the multiple-choice question. Think step by step inside <{think}> and </{think}>. Whenever you are "
     "missing a fact, search for it by writing <{search}> query </{search}>; the search results will be shown "
     "between <{information}> and </{information}>. You may search several times. When you know the answer, "
-    "write the letter of the correct option inside <{answer}> and </{answer}> with no explanation, for example "
-    "<{answer}>C</{answer}>.\n"
+    "write the correct option inside <{answer}> and </{answer}> with no explanation: its letter, for example "
+    "<{answer}>C</{answer}>, or its text.\n"
     "Question: {question}\n"
     "Options:\n{options}\n"
 )
@@ -562,7 +562,8 @@ class RolloutDataModule(L.LightningDataModule):
 
         Context = the prompt and the trajectory up to this search's observation (earlier observations kept);
         one branch per candidate slot = an observation holding only that candidate, then the answer open tag;
-        target = the first gold answer (its tokens alone are scored).
+        target = the first gold answer, or on a multiple-choice question the gold option's text (its tokens alone
+        are scored: a passage can support the text, while the letter is only its place in the prompt's list).
         """
         S = batch.search_traj.numel()
         if S == 0:
@@ -585,6 +586,6 @@ class RolloutDataModule(L.LightningDataModule):
                 ids(env.observation([module.passage(row)])) + answer_open if row >= 0 else answer_open
                 for row in batch.search_candidates[s].tolist()
             ]
-            sequences.append(BranchedSequence(prefix, branches, ids(f" {examples[t].golden_answers[0]}")))
+            sequences.append(BranchedSequence(prefix, branches, ids(f" {examples[t].gold_text}")))
         batch.credit_searches = torch.tensor(chosen, dtype=torch.long)
         batch.credit_sequences = sequences

@@ -37,6 +37,14 @@ class QAExample:
     golden_answers: list[str]
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def gold_text(self) -> str:
+        """The first gold answer as text: on a multiple-choice question (``metadata["options"]``) the gold
+        letter's option text, else the first golden answer."""
+        gold = self.golden_answers[0]
+        options = self.metadata.get("options")
+        return options[gold] if options else gold
+
 
 # A corpus or QA set as a config gives it: a name or file path (bridge_pl.data.sources), or the records themselves
 # (an inline YAML list; in Python, Passage / QAExample objects too). Not list[Passage]: jsonargparse would read a

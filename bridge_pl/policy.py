@@ -27,6 +27,7 @@ from bridge_pl.distributed import (
     call_under_root,
     decoder_layers,
     full_tensor,
+    is_dtensor,
     is_sharded,
     reshard,
     shard_like,
@@ -332,14 +333,14 @@ class Policy(nn.Module):
         """The base model's weights as :meth:`generation_model` computes with them, under their Hugging Face names
         (what an inference engine such as vLLM loads): ``(name, tensor)`` one weight at a time, each LoRA delta
         merged into its base weight in float32 and rounded once to the base dtype (a new tensor; the policy is not
-        changed), every other weight as it is (a view). Full fine-tuning: the weights as they are.
+        changed), every other weight as it is (a view). Full fine-tuning: the weights as they are. Under FSDP2
+        each weight is gathered whole as it is reached (collective: every rank must consume the iterator to its
+        end, in the same order).
 
         Raises:
-            ValueError: adapters that cannot be merged into a plain weight (see :meth:`generation_model`),
-                trained embeddings tied to the LM head, or sharded (FSDP2) weights.
+            ValueError: adapters that cannot be merged into a plain weight (see :meth:`generation_model`), or
+                trained embeddings tied to the LM head.
         """
-        if is_sharded(self.model):
-            raise ValueError("generation weights of a sharded (fsdp2) policy are not gathered here")
         hf = self.hf_model
         if getattr(hf.config, "tie_word_embeddings", False) and hf.get_input_embeddings().weight.requires_grad:
             # vLLM reloads the embeddings but keeps its LM head's old copy of them
@@ -357,7 +358,8 @@ class Policy(nn.Module):
             if ".lora_" in name:
                 continue
             layer = merged.get(name)
-            yield name.replace(".base_layer.", "."), _merged_weight(layer) if layer is not None else param.detach()
+            weight = _merged_weight(layer) if layer is not None else full_tensor(param.detach())
+            yield name.replace(".base_layer.", "."), weight
 
     def _mergeable_lora_layers(self) -> list[nn.Module]:
         """The LoRA layers :meth:`generation_model` merges; empty when it must generate through the adapters."""
@@ -381,8 +383,8 @@ class Policy(nn.Module):
         if not layers or not all(type(m) is LoraLinear and not m.merged and not m.disable_adapters
                                  and not getattr(m, "lora_variant", None) for m in layers):
             return []
-        weights = [m.get_base_layer().weight.data_ptr() for m in layers]
-        embedding = self.hf_model.get_input_embeddings().weight.data_ptr()
+        weights = [_storage(m.get_base_layer().weight) for m in layers]
+        embedding = _storage(self.hf_model.get_input_embeddings().weight)
         if len(set(weights)) < len(weights) or embedding in weights:
             return []  # a merge would reach another layer too
         return layers
@@ -578,17 +580,18 @@ class Policy(nn.Module):
         if self.reference is not None:
             shard_root(self.reference, mesh, decoder_layers(self.reference))
 
-    def save_adapter(self, path: str | Path) -> None:
+    def save_adapter(self, path: str | Path, every_rank: bool = False) -> None:
         """Save in the standard peft layout (``PeftModel.from_pretrained(base, path)`` loads it). In a
-        multi-process run every rank calls it and rank 0 writes; sharded (FSDP2) weights are gathered first."""
+        multi-process run every rank calls it and rank 0 writes (``every_rank``: each rank writes to its own
+        ``path``); sharded (FSDP2) weights are gathered first."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         state = None
         if is_sharded(self.model):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)  # offload: rank 0's only
             state = get_model_state_dict(self.model, options=options)
-        if not distributed or torch.distributed.get_rank() == 0:
+        if not distributed or every_rank or torch.distributed.get_rank() == 0:
             self.model.save_pretrained(str(path), state_dict=state)
             self.tokenizer.save_pretrained(str(path))
         if distributed:
@@ -600,14 +603,26 @@ class Policy(nn.Module):
         return {k: v for k, v in self.model.state_dict().items() if k in names}
 
 
+def _storage(weight: torch.Tensor) -> int:
+    """Where ``weight``'s elements (this rank's shard of an FSDP2 DTensor) start in memory: equal for shared weights."""
+    return (weight.to_local() if is_dtensor(weight) else weight).data_ptr()
+
+
 @torch.no_grad()
 def _merged_weight(layer: nn.Module) -> torch.Tensor:
     """A LoRA layer's base weight plus its active adapters' deltas ``scaling * B @ A``, summed in float32 (autocast
-    off) and rounded once to the base weight's dtype: a new ``[out, in]`` tensor."""
-    weight = layer.get_base_layer().weight
+    off) and rounded once to the base weight's dtype: a new ``[out, in]`` tensor. FSDP2 shards are gathered first
+    (collective)."""
+    weight = full_tensor(layer.get_base_layer().weight.detach())
+    names = [name for name in layer.active_adapters if name in layer.lora_A]
     with torch.autocast(weight.device.type, enabled=False):
-        delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters if name in layer.lora_A)
-        return (weight.float() + delta.float()).to(weight.dtype)
+        if is_dtensor(layer.lora_A[names[0]].weight):  # peft's get_delta_weight would mix shards and whole tensors
+            deltas = (full_tensor(layer.lora_B[n].weight.detach()).float()
+                      @ full_tensor(layer.lora_A[n].weight.detach()).float() * layer.scaling[n] for n in names)
+            delta = sum(d.T if layer.fan_in_fan_out else d for d in deltas)
+        else:
+            delta = sum(layer.get_delta_weight(name).float() for name in names)
+        return (weight.float() + delta).to(weight.dtype)
 
 
 def _full_attention_only(config) -> bool:

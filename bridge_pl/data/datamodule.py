@@ -237,8 +237,9 @@ class RolloutDataModule(L.LightningDataModule):
         eval_batch_size: prompts per evaluation batch (greedy, one trajectory each).
         max_turns, max_new_tokens_per_turn, max_response_tokens, temperature, top_p: rollout settings.
         engine: the generation backend: ``hf`` (bridge-pl's own KV-cached decode loop), ``vllm`` (an in-process
-            vLLM engine, weights synced before each rollout; one process only), or ``auto`` (default): vLLM where
-            it imports, the run has one process and the engine builds for the policy, else ``hf`` (logged).
+            vLLM engine, weights synced before each rollout; under ``ddp``/``fsdp2`` one engine per rank, each
+            gathering the whole policy), or ``auto`` (default): vLLM where it imports, the run has one process and
+            the engine builds for the policy, else ``hf`` (logged).
         vllm: settings of the vLLM backend (:class:`~bridge_pl.rollout.vllm_engine.VLLMConfig`).
         filter_groups: DAPO dynamic sampling: train only on groups whose rewards differ (the others have
             GRPO advantage 0), refilling from fresh prompts; ``max_sampling_rounds`` bounds the rollouts per
@@ -469,16 +470,14 @@ class RolloutDataModule(L.LightningDataModule):
         )
 
     def _build_engine(self, env: SearchEnv, policy) -> MultiTurnEngine:
-        """The ``data.engine`` backend; ``auto`` tries vLLM (one process, where it imports) and falls back to hf."""
+        """The ``data.engine`` backend; ``auto`` tries vLLM (one process, where it imports) and falls back to hf.
+        In a run of several processes each rank builds its own engine (``vllm``) at its first rollout, together."""
         engine = self._vllm_engine(env, policy) if self._wants_vllm() else RolloutEngine(env, **self.engine_args)
         rank_zero_info(f"data.engine: rollouts generate with the {engine.name} backend")
         return engine
 
     def _wants_vllm(self) -> bool:
         single = self.trainer is None or self.trainer.world_size == 1
-        if self.engine_name == "vllm" and not single:
-            raise ValueError(f"data.engine=vllm runs in one process; this run has {self.trainer.world_size} "
-                             "(use data.engine=hf)")
         return self.engine_name == "vllm" or (self.engine_name == "auto" and single and vllm_available())
 
     def _vllm_engine(self, env: SearchEnv, policy) -> MultiTurnEngine:

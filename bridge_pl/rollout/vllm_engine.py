@@ -33,9 +33,10 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from bridge_pl.config import require_choice
-from bridge_pl.distributed import is_sharded
+from bridge_pl.distributed import is_dtensor
 from bridge_pl.rollout.engine import MultiTurnEngine, SampledTurn, SearchFn, Trajectory, eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -161,13 +162,21 @@ def _process_state_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def _several_processes() -> bool:
+    """Whether this process is one rank of several (a ``ddp`` or ``fsdp2`` run)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def weights_digest(policy) -> str:
-    """A digest of the policy's trained parameters (what differs from the folder the engine loaded)."""
+    """A digest of the policy's trained parameters (what differs from the folder the engine loaded). Under FSDP2,
+    of this rank's shards (no communication): an update changes every rank's shards, so the ranks agree on
+    whether to push, and the push gathers the weights on all of them."""
     h = hashlib.blake2b(digest_size=16)
     for name, param in policy.model.named_parameters():
         if param.requires_grad:
+            local = param.detach().to_local() if is_dtensor(param) else param.detach()
             h.update(name.encode())
-            h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+            h.update(local.float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -192,9 +201,6 @@ class VLLMRolloutEngine(MultiTurnEngine):
 
     # ---- the engine and its weights -------------------------------------------------------------
     def _build(self, policy) -> None:
-        if is_sharded(policy.model):
-            raise ValueError("data.engine=vllm runs in one process; under a sharded strategy (fsdp2) use "
-                             "data.engine=hf")
         if getattr(policy.hf_model, "is_loaded_in_4bit", False):
             raise ValueError("data.engine=vllm cannot load a 4-bit (policy.load_in_4bit) base; use data.engine=hf")
         cfg = self.config
@@ -211,6 +217,12 @@ class VLLMRolloutEngine(MultiTurnEngine):
             if rank is None:
                 raise ValueError(f"vLLM serves LoRA ranks up to {ranks[-1]}; policy.lora_r is {peft_config.r}")
             lora = dict(enable_lora=True, max_loras=1, max_lora_rank=rank)
+        joined = {}
+        if _several_processes():  # this rank's own engine, its groups made inside the trainer's (vLLM's external
+            # launcher: tensor-parallel size 1, so each rank generates alone, for its own prompts)
+            os.environ["RANK"] = str(dist.get_rank())
+            os.environ.setdefault("LOCAL_RANK", str(dist.get_rank() % max(1, torch.cuda.device_count())))
+            joined = dict(distributed_executor_backend="external_launcher")
         self._started = True
         tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
         with _process_state_kept(), _expected_load_notices_dropped(tied_head):
@@ -220,7 +232,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
                 model=hf_config.name_or_path, dtype=str(policy.weight_dtype).removeprefix("torch."), seed=self.seed,
                 enable_prefix_caching=True, enforce_eager=not cfg.compile, logprobs_mode="processed_logprobs",
                 max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
-                gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep, **lora,
+                gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep, **lora, **joined,
             )
             # one token now: kernels that cannot run this model (e.g. CPU attention below 32-wide heads) fail here
             from vllm import SamplingParams
@@ -244,7 +256,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
 
         if self._adapter_dir is None:
             self._adapter_dir = Path(tempfile.mkdtemp(prefix="bridge_pl_vllm_adapter_"))
-        policy.save_adapter(self._adapter_dir)
+        policy.save_adapter(self._adapter_dir, every_rank=True)  # each rank's engine reads its own folder
         self.adapter = LoRARequest("policy", 1, str(self._adapter_dir), load_inplace=True)
 
     def sync(self, policy) -> bool:
@@ -271,14 +283,21 @@ class VLLMRolloutEngine(MultiTurnEngine):
         return True
 
     def close(self) -> None:
-        """Free the engine (its weights and KV cache) and the one-process group vLLM set up; the next rollout
-        builds a new one."""
+        """Free the engine (its weights and KV cache) and the groups vLLM set up (in one process, the process
+        group it started; in several, only its own groups inside the trainer's); the next rollout builds a new
+        one."""
         if not self._started:
             return
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        from vllm.distributed import parallel_state
 
         self.llm, self.synced, self._started, self.adapter, self.asleep = None, None, False, None, False
-        cleanup_dist_env_and_memory()
+        if _several_processes():
+            parallel_state.destroy_model_parallel()
+            if parallel_state._WORLD is not None:
+                parallel_state._WORLD.destroy()
+                parallel_state._WORLD = None
+        else:
+            parallel_state.cleanup_dist_env_and_memory()
         if self._adapter_dir is not None:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)
             self._adapter_dir = None

@@ -4,8 +4,8 @@ A demonstration is what a competent agent would have written for a training ques
 one ``<search>`` per hop (the hop queries the data records, e.g. the world's ``hop_queries``), the
 passages the *current* retriever really returns for each query (top-k, so a miss stays a miss), then the
 gold ``<answer>``: on a multiple-choice question its letter, or the gold option's text (``choice_answer="text"``,
-which answer extraction maps back to the letter: a small policy learns to copy a name from the evidence much
-sooner than to find that name among the options and write the letter before it). Demonstrations are
+which answer extraction maps back to the letter: for a small policy that copies a name from the evidence but
+does not learn to look it up among the options, as in ``configs/world_mc.yaml``). Demonstrations are
 deliberately imperfect: with probability ``noise`` a hop query is replaced by a weaker one, so RL and the
 retriever still have something to fix: the raw question, or, when the demonstration already searched the raw
 question, the hop's entity name alone (``metadata["hops"]``).

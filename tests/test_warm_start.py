@@ -25,7 +25,8 @@ def _example() -> QAExample:
     )
 
 
-def _segments(noise: float, seed: int = 0) -> tuple[list[tuple[str, bool]], list[list[str]]]:
+def _segments(noise: float, seed: int = 0, example: QAExample | None = None, choice_answer: str = "letter"
+              ) -> tuple[list[tuple[str, bool]], list[list[str]]]:
     env = SearchEnv(EnvConfig(), load_tokenizer("tiny-llama"))
     queries: list[list[str]] = []
 
@@ -33,7 +34,8 @@ def _segments(noise: float, seed: int = 0) -> tuple[list[tuple[str, bool]], list
         queries.append(list(qs))
         return [SearchOutcome(candidate_rows=[0], passage_rows=[0], logprob=0.0, passages=[]) for _ in qs]
 
-    return demonstration_segments(_example(), env, retrieve, random.Random(seed), noise), queries
+    segments = demonstration_segments(example or _example(), env, retrieve, random.Random(seed), noise, choice_answer)
+    return segments, queries
 
 
 def test_demonstration_follows_the_hops_and_trains_only_agent_text():
@@ -48,15 +50,11 @@ def test_demonstration_follows_the_hops_and_trains_only_agent_text():
 
 
 def test_a_multiple_choice_demonstration_answers_the_letter_or_the_option_text():
-    env = SearchEnv(EnvConfig(), load_tokenizer("tiny-llama"))
     options = {"A": "Mopek", "B": "Lindo", "C": "Vutrar", "D": "Daikek"}
     example = QAExample("q2", "Where was Ada Vell born?", ["B"], {"hop_queries": ["Ada Vell"], "options": options})
 
-    def retrieve(qs):
-        return [SearchOutcome(candidate_rows=[0], passage_rows=[0], logprob=0.0, passages=[]) for _ in qs]
-
     def answer(choice_answer):
-        segments = demonstration_segments(example, env, retrieve, random.Random(0), 0.0, choice_answer)
+        segments, _ = _segments(noise=0.0, example=example, choice_answer=choice_answer)
         return segments[-1][0].rsplit("\n", 1)[-1]
 
     assert answer("letter") == "<answer> B </answer>"

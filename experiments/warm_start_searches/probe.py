@@ -1,12 +1,13 @@
 """How often the warm-started policy searches twice: what RL has to work with on two-hop questions.
 
-For each seed, runs the config's ``WarmStart`` (a fit of ``max_steps=0``, as ``benchmarks/iteration_bench.py``
+Runs the config's ``WarmStart`` for one seed (a fit of ``max_steps=0``, as ``benchmarks/iteration_bench.py``
 does), then, with the warm-started policy and the retriever as built:
 
 - **sampled**: ``n_samples`` trajectories per dev question, at the config's temperature and Plackett-Luce
   retrieval, as a training rollout draws them (without dynamic sampling); per question type, how many searched
   0, 1, 2 times and the mean reward of each count;
-- **greedy**: the evaluation rollout of the same questions; per type, searches per question and EM;
+- **greedy**: the evaluation rollout of the same questions; per type, searches per question and mean reward
+  (EM on the world's free-text questions);
 - **decision tokens**: the policy's probability of the tokens that decide a second search, teacher-forced on
   noise-free demonstrations of the same questions (``bridge_pl.warm_start.demonstration_segments``): the word
   after ``<think> I`` once an observation is in the context (``need`` before a next search, ``have`` before the
@@ -42,7 +43,8 @@ def warm_started(config: str, seed: int, root: Path, steps: int | None):
     for callback in cli.trainer.callbacks:
         if isinstance(callback, WarmStart):
             callback.evaluate = False
-            callback.steps = steps if steps is not None else callback.steps
+            if steps is not None:
+                callback.steps = steps
     cli.trainer.fit(cli.model, cli.datamodule)
     return cli.trainer, cli.model, cli.datamodule
 
@@ -116,6 +118,7 @@ def main() -> None:
     for (kind, what), values in sorted(decision_probabilities(trainer, module, data, examples).items()):
         print(f"  {kind}: P({what}) {sum(values) / len(values):.3f} over {len(values)} decisions")
     data.teardown("probe")
+
 
 if __name__ == "__main__":
     main()

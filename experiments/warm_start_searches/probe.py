@@ -18,6 +18,7 @@ One seed per process (each builds its own vLLM engine)::
     for S in 0 1 2; do python experiments/warm_start_searches/probe.py --seed $S; done
     python experiments/warm_start_searches/probe.py --seed 0 --warm-steps 32   # a longer warm start
     python experiments/warm_start_searches/probe.py --seed 0 --warm-lr 0.002   # a larger warm-start step
+    python experiments/warm_start_searches/probe.py --seed 0 --warm-steps 32 --warm-batch 2   # more, smaller steps
 """
 
 from __future__ import annotations
@@ -36,18 +37,17 @@ from bridge_pl.warm_start import demonstration_segments, tokenize_demonstration
 from callbacks.warm_start import WarmStart
 
 
-def warm_started(config: str, seed: int, root: Path, steps: int | None, lr: float | None):
-    """The config's module and data module after its warm start (``seed`` reseeds everything; ``steps`` and
-    ``lr``, when given, replace the warm start's number of supervised steps and its learning rate)."""
+def warm_started(config: str, seed: int, root: Path, overrides: dict[str, float | int | None]):
+    """The config's module and data module after its warm start (``seed`` reseeds everything; ``overrides``:
+    WarmStart attributes to replace, e.g. ``{"steps": 32}``; a value of None keeps the config's)."""
     cli = BridgeCLI(args=["--config", config, "--trainer.logger=false", f"--trainer.default_root_dir={root}",
                           "--trainer.max_steps=0", f"--seed_everything={seed}"], run=False)
     for callback in cli.trainer.callbacks:
         if isinstance(callback, WarmStart):
             callback.evaluate = False
-            if steps is not None:
-                callback.steps = steps
-            if lr is not None:
-                callback.lr = lr
+            for name, value in overrides.items():
+                if value is not None:
+                    setattr(callback, name, value)
     cli.trainer.fit(cli.model, cli.datamodule)
     return cli.trainer, cli.model, cli.datamodule
 
@@ -101,19 +101,21 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=48, help="the first N dev questions")
     p.add_argument("--warm-steps", type=int, help="supervised steps of the warm start (default: the config's)")
     p.add_argument("--warm-lr", type=float, help="the warm start's learning rate (default: the config's)")
+    p.add_argument("--warm-batch", type=int, help="demonstrations per warm-start step (default: the config's)")
     p.add_argument("--root", type=Path, default=Path("runs/warm_start_searches"))
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-    trainer, module, data = warm_started(args.config, args.seed, args.root / f"seed{args.seed}", args.warm_steps,
-                                         args.warm_lr)
+    overrides = {"steps": args.warm_steps, "lr": args.warm_lr, "batch_size": args.warm_batch}
+    trainer, module, data = warm_started(args.config, args.seed, args.root / f"seed{args.seed}", overrides)
     examples = data.load(next(iter(data.val_sources.values())), args.questions)
     data.filter_groups = False
     with trainer.precision_plugin.forward_context():
         sampled = search_counts(data.rollout(module, examples, training=True, dataset="probe"))
         greedy = search_counts(data.rollout(module, examples, training=False, dataset="probe"))
     warm = next(c for c in trainer.callbacks if isinstance(c, WarmStart))
-    print(f"seed {args.seed}, {warm.steps} warm-start steps at lr {warm.lr:g}: {len(examples)} dev questions, "
-          f"{data.n_samples} samples each at temperature {data.engine_args['temperature']}")
+    print(f"seed {args.seed}, {warm.steps} warm-start steps of {warm.batch_size} at lr {warm.lr:g}: "
+          f"{len(examples)} dev questions, {data.n_samples} samples each at temperature "
+          f"{data.engine_args['temperature']}")
     for kind in sorted(sampled):
         cells = ", ".join(f"{n} searches: {len(r)} (reward {sum(r) / len(r):.2f})"
                           for n, r in sorted(sampled[kind].items()))

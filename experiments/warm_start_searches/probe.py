@@ -38,18 +38,17 @@ from callbacks.warm_start import WarmStart
 
 
 def warm_started(config: str, seed: int, root: Path, overrides: dict[str, float | int | None]):
-    """The config's module and data module after its warm start (``seed`` reseeds everything; ``overrides``:
-    WarmStart attributes to replace, e.g. ``{"steps": 32}``; a value of None keeps the config's)."""
+    """The config's trainer, module, data module and ``WarmStart`` after its warm start (``seed`` reseeds
+    everything; ``overrides``: WarmStart attributes to replace, e.g. ``{"steps": 32}``; None keeps the config's)."""
     cli = BridgeCLI(args=["--config", config, "--trainer.logger=false", f"--trainer.default_root_dir={root}",
                           "--trainer.max_steps=0", f"--seed_everything={seed}"], run=False)
-    for callback in cli.trainer.callbacks:
-        if isinstance(callback, WarmStart):
-            callback.evaluate = False
-            for name, value in overrides.items():
-                if value is not None:
-                    setattr(callback, name, value)
+    warm = next(c for c in cli.trainer.callbacks if isinstance(c, WarmStart))
+    warm.evaluate = False
+    for name, value in overrides.items():
+        if value is not None:
+            setattr(warm, name, value)
     cli.trainer.fit(cli.model, cli.datamodule)
-    return cli.trainer, cli.model, cli.datamodule
+    return cli.trainer, cli.model, cli.datamodule, warm
 
 
 def search_counts(batch) -> dict[str, dict[int, list[float]]]:
@@ -106,13 +105,12 @@ def main() -> None:
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     overrides = {"steps": args.warm_steps, "lr": args.warm_lr, "batch_size": args.warm_batch}
-    trainer, module, data = warm_started(args.config, args.seed, args.root / f"seed{args.seed}", overrides)
+    trainer, module, data, warm = warm_started(args.config, args.seed, args.root / f"seed{args.seed}", overrides)
     examples = data.load(next(iter(data.val_sources.values())), args.questions)
     data.filter_groups = False
     with trainer.precision_plugin.forward_context():
         sampled = search_counts(data.rollout(module, examples, training=True, dataset="probe"))
         greedy = search_counts(data.rollout(module, examples, training=False, dataset="probe"))
-    warm = next(c for c in trainer.callbacks if isinstance(c, WarmStart))
     print(f"seed {args.seed}, {warm.steps} warm-start steps of {warm.batch_size} at lr {warm.lr:g}: "
           f"{len(examples)} dev questions, {data.n_samples} samples each at temperature "
           f"{data.engine_args['temperature']}")

@@ -121,8 +121,10 @@ class BridgeCLI(LightningCLI):
             self._lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
         if self.subcommand is not None and config.get("data") is not None:  # QA sets checked before models load
             self._qa_sets = read_stage_sources(self.subcommand, config.get("data"))
-        if self.subcommand is not None and config.get("model.retriever.class_path") in _OWN_RETRIEVERS:
-            check_corpus(config.get("model.retriever.init_args.corpus"))  # and the corpus
+        corpus = config.get("model.retriever.init_args.corpus")
+        if self.subcommand is not None and config.get("model.retriever.class_path") in _OWN_RETRIEVERS \
+                and corpus is not None:  # None: a built index (index_path) holds the passages, checked when opened
+            check_corpus(corpus)  # and the corpus
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI reads an explicit --ckpt_path file here (its hyperparameters): check the file first

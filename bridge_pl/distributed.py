@@ -19,10 +19,17 @@ different numbers of micro-batches and LM-credit searches. Collectives must stil
   whatever the parts;
 - decisions that change the work (skip the θ step, skip a non-finite update) are taken over all ranks
   (:func:`any_across_ranks`).
+
+Work that only some ranks do for a long time (an LLM judge's share of an evaluation set) must not end in a
+collective: a rank that waits there longer than the process group's timeout (30 minutes by default) is killed.
+:func:`wait_for_ranks` waits on the process group's store instead, which has no timeout, and the collective after
+it finds every rank ready.
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -40,6 +47,7 @@ FSDP1_REFUSAL = (
     "ModelParallelStrategy, data-parallel) or 'ddp'"
 )
 _ROOT_CALL = "bridge_call"  # the root's registered forward method: runs a function under its FSDP hooks
+_WAITS = itertools.count()  # numbers the store waits: every rank makes them in the same order
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -171,13 +179,20 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def max_across_ranks(value: int) -> int:
+    """The largest of the ranks' ``value`` (collective: every rank must call it). One process: ``value``."""
+    if not _distributed():
+        return value
+    # NCCL reduces only CUDA tensors; a gloo or a mixed "cpu:gloo,cuda:nccl" group reduces a CPU one
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
 def any_across_ranks(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank (collective: every rank must call it). One process: ``flag``."""
-    if not _distributed():
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t)
+    return bool(max_across_ranks(int(flag)))
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -239,3 +254,57 @@ def this_ranks(states: Any) -> Any:
         raise ValueError(f"the checkpoint holds per-rank state for {len(states)} processes; this is rank {rank}: "
                          "resume with the world size it was saved with")
     return states[rank]
+
+
+def process_rank() -> int:
+    """This process's global rank (0 without ``torch.distributed``)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def share_from_rank_zero(items: list[Any] | None) -> list[Any]:
+    """This rank's share of rank 0's ``items``: ``items[rank::world]`` (a scatter: every rank must call it; only rank
+    0's ``items`` is read). One process: ``items``."""
+    if not _distributed():
+        return items
+    world = dist.get_world_size()
+    shares = [items[r::world] for r in range(world)] if dist.get_rank() == 0 else None
+    share: list[Any] = [None]
+    dist.scatter_object_list(share, shares, src=0)
+    return share[0]
+
+
+def join_at_rank_zero(share: list[Any]) -> list[Any] | None:
+    """Every rank's :func:`share_from_rank_zero` share (or one result per item of it) back in rank 0's order, on rank 0;
+    None on other ranks (a gather: every rank must call it). One process: ``share``."""
+    if not _distributed():
+        return share
+    world = dist.get_world_size()
+    parts: list[list[Any]] | None = [[] for _ in range(world)] if dist.get_rank() == 0 else None
+    dist.gather_object(share, parts, dst=0)
+    if parts is None:
+        return None
+    return [parts[r][i] for i in range(len(parts[0])) for r in range(world) if i < len(parts[r])]
+
+
+def wait_for_ranks(what: str, poll_s: float = 0.5, report: Callable[[int, int], None] | None = None,
+                   report_every_s: float = 30.0) -> None:
+    """Return once every rank has called this (each rank's n-th call waits for every rank's n-th call), however
+    long that takes: for work that may outlast the process group's timeout, where a barrier would fail.
+
+    Each rank counts itself in on the process group's store and polls the count every ``poll_s`` seconds (a store
+    ``add`` answers at once, so no timeout applies). ``report(done, world)`` is called every ``report_every_s``
+    seconds of waiting. ``what`` names the wait in the store key; it must be the same on every rank. A rank that
+    dies is not noticed here: the launcher (Lightning's, torchrun) ends the others. One process: returns at once.
+    """
+    if not _distributed():
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"bridge_pl/wait/{next(_WAITS)}/{what}"
+    world = dist.get_world_size()
+    done, last_report = store.add(key, 1), time.monotonic()
+    while done < world:
+        time.sleep(poll_s)
+        done = store.add(key, 0)
+        if report is not None and time.monotonic() - last_report >= report_every_s:
+            report(done, world)
+            last_report = time.monotonic()

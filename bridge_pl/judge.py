@@ -8,7 +8,9 @@ machine; stdlib HTTP only).
 
 :func:`judge_records` scores predictions records through a :class:`JudgeCache` (a jsonl file keyed by the judge
 and the exact prompt), so an interrupted evaluation resumes without asking again. A reply without a parseable
-score is counted and kept (``reasoning_quality`` null), a failed request too; neither ever raises.
+score is counted and kept (``reasoning_quality`` null), a failed request too; neither ever raises. Its steps
+(:func:`judge_verdicts`, :func:`apply_verdicts`, :func:`summarize`) are separate so that several processes can each
+judge a share of a set and one of them sum up the whole.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import re
 import urllib.error
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,19 +241,44 @@ class OpenAIJudge(Judge):
 class JudgeCache:
     """Judge replies on disk (jsonl, one ``{key, reply, score}`` per line, appended as they come), so that an
     interrupted or repeated evaluation asks the judge only for prompts it has not answered. Failed requests are
-    not stored. A torn last line (the process died while writing) is ignored."""
+    not stored. A torn last line (the process died while writing) is ignored.
 
-    def __init__(self, path: str | Path) -> None:
+    Each process appends to a file of its own, so that lines of several ranks never interleave: rank 0 to ``path``,
+    rank r to ``<stem>.rank<r><suffix>`` beside it (``judge_cache.rank1.jsonl``). Every cache reads ``path`` and
+    all those files, so a run with any number of ranks finds what any rank of an earlier run was told.
+
+    Args:
+        path: the cache file.
+        rank: the process's global rank (which file it appends to).
+    """
+
+    def __init__(self, path: str | Path, rank: int = 0) -> None:
         self.path = Path(path)
+        self.own = self.path if rank == 0 else self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
         self.entries: dict[str, dict[str, Any]] = {}
-        if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").split("\n"):
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(entry, dict) and "key" in entry:
-                    self.entries[entry["key"]] = entry
+        self._torn = False  # the own file ends in a torn line: the next entry must start on a new line
+        for file in [self.path, *self.rank_files()]:
+            text = self._read(file)
+            if file == self.own:
+                self._torn = bool(text) and not text.endswith("\n")
+
+    def rank_files(self) -> list[Path]:
+        """The files of ranks other than 0 beside ``path``, in rank order."""
+        pattern = re.compile(rf"{re.escape(self.path.stem)}\.rank(\d+){re.escape(self.path.suffix)}")
+        found = [(int(m[1]), f) for f in self.path.parent.glob("*") if (m := pattern.fullmatch(f.name))]
+        return [f for _, f in sorted(found)]
+
+    def _read(self, file: Path) -> str:
+        """Add ``file``'s entries (if it exists); its text."""
+        text = file.read_text(encoding="utf-8") if file.is_file() else ""
+        for line in text.split("\n"):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and "key" in entry:
+                self.entries[entry["key"]] = entry
+        return text
 
     @staticmethod
     def key(judge: Judge, prompt: str) -> str:
@@ -260,9 +287,20 @@ class JudgeCache:
     def add(self, key: str, reply: str, score: int | None) -> None:
         entry = {"key": key, "reply": reply, "score": score}
         self.entries[key] = entry
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self.own.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.own, "a", encoding="utf-8") as f:
+            f.write(("\n" if self._torn else "") + json.dumps(entry, ensure_ascii=False) + "\n")
+        self._torn = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The judgement of one record: its score (None: the reply held none, or there was no reply), the reply (or
+    ``"error: ..."`` when the request failed) and whether it failed."""
+
+    score: int | None
+    reply: str
+    failed: bool = False
 
 
 @dataclass
@@ -276,31 +314,54 @@ class JudgeSummary:
     example: str | None  # the first unparsed reply or failure, for the log
 
 
-def judge_records(judge: Judge, records: list[dict[str, Any]], cache: JudgeCache) -> JudgeSummary:
-    """Score ``records`` (predictions records) in place: each gets ``reasoning_quality`` (1-5 or None) and
-    ``judge_reply`` (the reply, or ``"error: ..."`` when the request failed). Cached prompts are not asked again."""
+CHUNK = 64  # prompts per judge call; each chunk is stored before the next, so an interruption loses at most one
+
+
+def judge_verdicts(judge: Judge, records: list[dict[str, Any]], cache: JudgeCache,
+                   progress: Callable[[int, int], None] | None = None) -> list[Verdict]:
+    """One :class:`Verdict` per record (predictions records), in order. Cached prompts are not asked again;
+    ``progress(asked, to_ask)`` is called after each chunk of prompts the judge answered."""
     prompts = [judge_prompt(r, judge.max_trajectory_chars) for r in records]
     keys = [JudgeCache.key(judge, p) for p in prompts]
     todo = [i for i, k in enumerate(keys) if k not in cache.entries]
-    for start in range(0, len(todo), 64):  # stored as they come, so an interruption loses at most one chunk
-        chunk = todo[start : start + 64]
+    errors: dict[int, str] = {}
+    for start in range(0, len(todo), CHUNK):
+        chunk = todo[start : start + CHUNK]
         for i, reply in zip(chunk, judge.reply([prompts[i] for i in chunk])):
             if reply.text is None:
-                records[i]["judge_reply"] = f"error: {reply.error}"
+                errors[i] = f"error: {reply.error}"
             else:
                 cache.add(keys[i], reply.text, parse_score(reply.text))
-    scores, unparsed, failed, example = [], 0, 0, None
-    for record, key in zip(records, keys):
+        if progress is not None:
+            progress(start + len(chunk), len(todo))
+    verdicts = []
+    for i, key in enumerate(keys):  # a prompt asked twice counts as answered if either request got a reply
         entry = cache.entries.get(key)
-        if entry is None:
-            failed += 1
-            record["reasoning_quality"] = None
-            example = example or record["judge_reply"]
-            continue
-        record["reasoning_quality"], record["judge_reply"] = entry["score"], entry["reply"]
-        if entry["score"] is None:
-            unparsed += 1
-            example = example or f"unparsed reply {entry['reply']!r}"
-        else:
-            scores.append(entry["score"])
+        verdicts.append(Verdict(None, errors[i], True) if entry is None else Verdict(entry["score"], entry["reply"]))
+    return verdicts
+
+
+def apply_verdicts(records: list[dict[str, Any]], verdicts: Sequence[Verdict]) -> None:
+    """Set each record's ``reasoning_quality`` (1-5 or None) and ``judge_reply`` from its verdict."""
+    for record, verdict in zip(records, verdicts, strict=True):
+        record["reasoning_quality"], record["judge_reply"] = verdict.score, verdict.reply
+
+
+def summarize(verdicts: Sequence[Verdict]) -> JudgeSummary:
+    """The mean score over the verdicts whose reply parsed, and the counts of unparsed and failed ones."""
+    scores = [v.score for v in verdicts if v.score is not None]
+    failed = sum(v.failed for v in verdicts)
+    unparsed = len(verdicts) - len(scores) - failed
+    example = next((v.reply if v.failed else f"unparsed reply {v.reply!r}" for v in verdicts if v.score is None),
+                   None)
     return JudgeSummary(sum(scores) / len(scores) if scores else None, len(scores), unparsed, failed, example)
+
+
+def judge_records(judge: Judge, records: list[dict[str, Any]], cache: JudgeCache,
+                  progress: Callable[[int, int], None] | None = None) -> JudgeSummary:
+    """Score ``records`` (predictions records) in place: each gets ``reasoning_quality`` (1-5 or None) and
+    ``judge_reply`` (the reply, or ``"error: ..."`` when the request failed). Cached prompts are not asked again;
+    ``progress`` as in :func:`judge_verdicts`."""
+    verdicts = judge_verdicts(judge, records, cache, progress)
+    apply_verdicts(records, verdicts)
+    return summarize(verdicts)

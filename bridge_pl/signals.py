@@ -6,6 +6,12 @@ Lightning notes a SIGTERM and stops its loops at the next batch boundary by rais
 to print and which status to exit with. An iteration that a validation follows is not saved before that validation
 (a resume would skip it, as ``callbacks.ValidatedCheckpoint`` explains): the run then stops at the newest whole
 checkpoint, and a resume redoes the iteration. A second Ctrl-C stops at once, without a checkpoint.
+
+With several processes the ranks decide together: a signal only marks the rank that got it, and at each iteration's
+end (and after each validation) the ranks reduce their marks, so a signal that reaches one rank, or the ranks at
+different moments, stops every rank at the same iteration with the same checkpoint. A signal that arrives during a
+validation takes effect when that validation ends (ranks may hold different numbers of evaluation batches, so there
+is no earlier point they all pass); a ``validate`` or ``test`` command then exits as stopped.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from bridge_pl.checkpoint_io import checkpoint_problem, newest_first
+from bridge_pl.distributed import max_across_ranks
 from callbacks.checkpoint import validation_follows
 
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
@@ -66,20 +74,42 @@ class StopOnSignal(pl.Callback):
             sys.stderr.write("bridge-pl: interrupted again (Ctrl-C): stopped at once, nothing more was saved\n")
             raise SystemExit(128 + signum)
         self.signum = self.signum or signum
+        if self._trainer is None or self._trainer.world_size > 1:
+            return  # the ranks decide together (_agree); Lightning's handler would run a collective in here
         previous = self._previous.get(signum)
         if signum == signal.SIGTERM and callable(previous):
-            previous(signum, frame)  # Lightning's: stops the processes it launched, tells the other ranks
-        if self._trainer is not None:
-            self._trainer._signal_connector.received_sigterm = True  # Lightning's own stop at the batch boundary
+            previous(signum, frame)  # Lightning's (and what was installed before it)
+        self._trainer._signal_connector.received_sigterm = True  # Lightning's own stop at the batch boundary
+
+    def _agree(self, trainer: pl.Trainer) -> bool:
+        """Whether any rank got a signal (a collective with several processes); if so, every rank stops at
+        Lightning's next check, and a rank that got none takes the others' signal for its exit status."""
+        signum = max_across_ranks(self.signum or 0)
+        if signum:
+            self.signum = self.signum or signum
+            trainer._signal_connector.received_sigterm = True
+        return bool(signum)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         # the point where checkpoint callbacks save an iteration (a state a resume continues exactly)
+        if not self._agree(trainer):
+            return
         callback = trainer.checkpoint_callback
-        if self.signum is None or callback is None or getattr(callback, "dirpath", None) is None:
+        if callback is None or getattr(callback, "dirpath", None) is None:
             return
         if not validation_follows(trainer):
             self.saved = Path(callback.dirpath) / "last.ckpt"
             trainer.save_checkpoint(self.saved)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # in a fit, Lightning stops after this validation (its checkpoint callbacks save it first); a validate
+        # command has no later check, so it stops here
+        if trainer.world_size > 1 and self._agree(trainer) and trainer.state.fn != TrainerFn.FITTING:
+            raise SIGTERMException
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size > 1 and self._agree(trainer):
+            raise SIGTERMException
 
     def on_exception(self, trainer: pl.Trainer, pl_module, exception: BaseException) -> None:
         self._restore()  # Lightning skips the callbacks' teardown after an exception

@@ -19,6 +19,11 @@ null when the reply held no score or the request failed) and ``judge_reply``, an
 Replies are cached in ``judge_cache`` (default ``<default_root_dir>/judge_cache.jsonl``), so a repeated or
 interrupted evaluation asks only for what is missing. See ``bridge_pl.judge`` and docs/medical.md.
 
+With several processes each rank judges every world-th record of the gathered set (rank r: records r, r + world,
+...), the ranks wait for each other on the process group's store (no timeout: judging may outlast the process
+group's), and rank 0 collects the replies and computes the numbers from the whole set, as one process would.
+Judging that lasts over 30 s prints a progress line (rank 0's share) about every 30 s, terminal or not.
+
 The run dir is ``trainer.log_dir`` (the logger's version folder, or ``default_root_dir`` without a logger).
 The step is the model's training step (``BridgeModule.policy_version``, saved in checkpoints), so
 ``bridge-pl validate --ckpt_path`` names its files like the fit's validation did at that step
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,10 +50,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from bridge_pl.credit_analysis import trajectory_searches
 from bridge_pl.data.qa import Passage
-from bridge_pl.judge import Judge, JudgeCache, judge_records
+from bridge_pl.distributed import join_at_rank_zero, process_rank, share_from_rank_zero, wait_for_ranks
+from bridge_pl.judge import Judge, JudgeCache, apply_verdicts, judge_verdicts, summarize
 from bridge_pl.metrics import set_means
 from bridge_pl.rewards import answer_scores
 from bridge_pl.rollout.batch import RolloutBatch
+from callbacks.progress import plain_line
+
+JUDGE_PROGRESS_EVERY_S = 30.0  # seconds between the judge's progress lines
 
 
 def eval_dataset_names(trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> list[str]:
@@ -193,7 +203,7 @@ class QAEval(L.Callback):
             records = gather_to_rank_zero(local)
             # rank 0's numbers on every rank, so every rank's callback_metrics agree (a collective, like the gather)
             metrics = metrics_by_type(records or [], f"{stage}/{name}")
-            if self.judge is not None and records:
+            if self.judge is not None:  # a collective too: every rank judges a share
                 metrics.update(self.judge_set(records, f"{stage}/{name}", trainer))
             typed = trainer.strategy.broadcast(metrics, src=0)
             if typed:  # through the module, so they share the TensorBoard step of val/<dataset>/em
@@ -214,10 +224,21 @@ class QAEval(L.Callback):
         if judged:  # <stage>/reasoning_quality and, over MIRAGE subsets, <stage>/mirage/reasoning_quality
             pl_module.log_dict(set_means(judged, stage), add_dataloader_idx=False)
 
-    def judge_set(self, records: list[dict[str, Any]], key: str, trainer: L.Trainer) -> dict[str, float]:
-        """Judge one set's records in place (rank 0); its ``<key>/reasoning_quality`` and the two counts."""
-        path = self.judge_cache or Path(trainer.default_root_dir) / "judge_cache.jsonl"
-        summary = judge_records(self.judge, records, JudgeCache(path))
+    def judge_set(self, records: list[dict[str, Any]] | None, key: str, trainer: L.Trainer) -> dict[str, float]:
+        """Judge one set (a collective: every rank calls it with the gathered ``records`` on rank 0, None elsewhere).
+
+        Each rank judges its share (``records[rank::world]``) and waits on the store until every rank has; rank 0
+        then writes the replies into ``records`` and returns ``<key>/reasoning_quality`` and the two counts
+        (other ranks, or an empty set: ``{}``).
+        """
+        share = share_from_rank_zero(records)
+        verdicts = judge_verdicts(self.judge, share, self.cache(trainer), _progress_lines(key)) if share else []
+        wait_for_ranks(f"judge {key}", report=_waiting_lines(key), report_every_s=JUDGE_PROGRESS_EVERY_S)
+        verdicts = join_at_rank_zero(verdicts)
+        if not records:
+            return {}
+        apply_verdicts(records, verdicts)
+        summary = summarize(verdicts)
         if summary.unparsed or summary.failed:
             rank_zero_warn(
                 f"QAEval judge: on {key}, {summary.unparsed} of {len(records)} replies held no 'Score: N' and "
@@ -228,3 +249,29 @@ class QAEval(L.Callback):
         if summary.reasoning_quality is not None:
             metrics[f"{key}/reasoning_quality"] = summary.reasoning_quality
         return metrics
+
+    def cache(self, trainer: L.Trainer) -> JudgeCache:
+        """This process's view of the judge cache (``judge_cache``, or ``<default_root_dir>/judge_cache.jsonl``)."""
+        return JudgeCache(self.judge_cache or Path(trainer.default_root_dir) / "judge_cache.jsonl", process_rank())
+
+
+def _progress_lines(key: str) -> Callable[[int, int], None]:
+    """A :func:`~bridge_pl.judge.judge_verdicts` progress callback that prints (rank 0) at most every
+    ``JUDGE_PROGRESS_EVERY_S`` seconds: ``QAEval judge: <key>: asked 640 of 1916 (95 s)``."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    share = f" (rank 0's share; {world} ranks)" if world > 1 else ""
+    start = last = time.monotonic()
+
+    def report(asked: int, to_ask: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= JUDGE_PROGRESS_EVERY_S:
+            last = now
+            plain_line(f"QAEval judge: {key}: asked {asked} of {to_ask}{share} ({now - start:.0f} s)")
+
+    return report
+
+
+def _waiting_lines(key: str) -> Callable[[int, int], None]:
+    """A :func:`~bridge_pl.distributed.wait_for_ranks` report that prints (rank 0) how many ranks are done."""
+    return lambda done, world: plain_line(f"QAEval judge: {key}: {done} of {world} ranks done judging, waiting")

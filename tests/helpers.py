@@ -2,7 +2,10 @@
 
 import contextlib
 import importlib.util
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -10,7 +13,8 @@ import torch
 
 from bridge_pl.cli import BridgeCLI
 
-CONFIGS = Path(__file__).parent / "configs"
+TESTS = Path(__file__).parent
+CONFIGS = TESTS / "configs"
 TINY = str(CONFIGS / "tiny.yaml")
 STEER = 50.0
 
@@ -154,3 +158,28 @@ def policy_loss_logprob_grads(policy, problem) -> torch.Tensor:
     for rows, logp in zip(with_tokens, parts, strict=True):
         grad[rows, : logp.shape[1]] = logp.grad
     return grad
+
+
+def bridge_pl_process(*args: str) -> subprocess.Popen:
+    """``bridge-pl ARGS`` started as a user starts it, in a subprocess that finds the test plug-ins (one thread
+    per process); its stdout and stderr come together."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "bridge_pl.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(run: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    """Wait for ``run``: its exit status and output."""
+    output, _ = run.communicate(timeout=timeout)
+    return run.returncode, output
+
+
+def rank_one(run: subprocess.Popen) -> int:
+    """The pid of rank 1: the process Lightning started from rank 0."""
+    children = Path(f"/proc/{run.pid}/task/{run.pid}/children")
+    for _ in range(600):
+        pids = [int(p) for p in children.read_text().split()]
+        if pids:
+            return pids[0]
+        time.sleep(0.1)
+    raise AssertionError("rank 1 did not start")

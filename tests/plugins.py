@@ -2,7 +2,8 @@
 
 HashedBagRetriever: a retriever. DistinctWordsReward: a reward. StepLog, KillAt, SearchSteer: callbacks for the
 fault-injection test (a per-iteration loss log that survives SIGKILL; a SIGKILL at a chosen point of the run;
-the tiny policy steered to search).
+the tiny policy steered to search). SlowJudge: a reasoning-quality judge as slow as a local LLM over a large set.
+ShortTimeoutDDP: DDP whose collectives time out after a few seconds, to try what outlasts the timeout quickly.
 
 Hashed bag-of-words towers: the query tower is a trainable ``EmbeddingBag``; passage vectors come from
 a frozen copy of its initial weights. Brute-force inner-product search (no FAISS), to show the seam
@@ -13,14 +14,19 @@ import json
 import os
 import re
 import signal
+import time
 import zlib
+from datetime import timedelta
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from bridge_pl.bilevel import ParamUpdate
 from bridge_pl.data.sources import load_corpus
+from bridge_pl.distributed import process_rank
+from bridge_pl.judge import Judge, Reply
 from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.dense import DenseRetriever
 from bridge_pl.rewards import RewardFunction
@@ -86,7 +92,8 @@ class DistinctWordsReward(RewardFunction):
 
 class StepLog(L.Callback):
     """Appends ``{"step": n, <loss/... and grad_norm/...>: value}`` per finished iteration and ``{"val_step": n,
-    <val/...>: value}`` per finished validation to a jsonl file (flushed and synced, so it survives SIGKILL)."""
+    <val/...>: value}`` per finished validation to a jsonl file (flushed and synced, so it survives SIGKILL); rank 0
+    writes it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -99,6 +106,8 @@ class StepLog(L.Callback):
             self._append(trainer, "val_step", ("val/",))
 
     def _append(self, trainer, key: str, prefixes: tuple[str, ...]) -> None:
+        if trainer.global_rank != 0:  # one line per step with several processes
+            return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefixes)}
         with open(self.path, "a") as f:
             f.write(json.dumps({key: trainer.global_step, **metrics}) + "\n")
@@ -145,6 +154,26 @@ class KillAt(L.Callback):
             self._tick()
 
 
+class PromptLog(L.Callback):
+    """Appends, per training rollout call, ``{"step": n, "ids": [example ids]}`` to ``<path>.rank<r>``: an
+    iteration's first call is its batch, later ones are dynamic sampling's refills."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_start(self, trainer, pl_module):
+        data = trainer.datamodule
+        generate = data._generate
+
+        def logged(module, examples, training):
+            if training:
+                with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
+                    f.write(json.dumps({"step": trainer.global_step, "ids": [ex.id for ex in examples]}) + "\n")
+            return generate(module, examples, training)
+
+        data._generate = logged
+
+
 class SearchSteer(L.Callback):
     """Steers the random tiny policy to issue searches for the whole fit (``helpers.searching``), so a
     subprocess run trains the retriever on real searches as the in-process tests do."""
@@ -154,3 +183,36 @@ class SearchSteer(L.Callback):
 
         self._steer = searching(pl_module.policy)
         self._steer.__enter__()
+
+
+class SlowJudge(Judge):
+    """Sleeps ``seconds`` before each reply on rank ``slow_rank`` (a judge that outlasts the process group's
+    timeout), then replies ``Score: N`` with N (1-5) a hash of the prompt: the same record always gets the same
+    score, whichever rank asks."""
+
+    def __init__(self, seconds: float = 0.0, slow_rank: int = 0) -> None:
+        super().__init__()
+        self.seconds, self.slow_rank = seconds, slow_rank
+
+    @property
+    def identity(self) -> str:
+        return "test:prompt-hash"
+
+    def reply(self, prompts):
+        if process_rank() == self.slow_rank:
+            time.sleep(self.seconds)
+        return [Reply(f"Score: {1 + zlib.crc32(p.encode()) % 5}") for p in prompts]
+
+
+class ShortTimeoutDDP(DDPStrategy):
+    """DDP whose process group times out after ``seconds`` once every rank is set up; the rendezvous keeps
+    Lightning's default timeout, since ranks start seconds apart on a busy machine."""
+
+    def __init__(self, seconds: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.seconds = seconds
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        self.barrier()  # from here on the ranks keep pace, until a collective waits on a slow one
+        torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=self.seconds))

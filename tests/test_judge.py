@@ -111,6 +111,21 @@ def test_the_endpoint_judge_scores_counts_and_resumes_from_its_cache(endpoint, t
     assert len(JudgeCache(tmp_path / "cache.jsonl").entries) == 3
 
 
+def test_each_rank_appends_to_its_own_cache_file_and_every_cache_reads_them_all(tmp_path):
+    path = tmp_path / "judge_cache.jsonl"
+    JudgeCache(path).add("k0", "Score: 1", 1)
+    JudgeCache(path, rank=1).add("k1", "Score: 2", 2)
+    JudgeCache(path, rank=12).add("k12", "no score", None)
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "judge_cache.jsonl", "judge_cache.rank1.jsonl", "judge_cache.rank12.jsonl"]
+    for rank in (0, 1, 3):  # any rank of a run with any number of ranks
+        assert set(JudgeCache(path, rank).entries) == {"k0", "k1", "k12"}
+    with open(tmp_path / "judge_cache.rank1.jsonl", "a") as f:
+        f.write('{"key": "torn')  # a rank killed while writing
+    JudgeCache(path, rank=1).add("k2", "Score: 3", 3)  # starts a new line: the torn one does not swallow it
+    assert set(JudgeCache(path).entries) == {"k0", "k1", "k12", "k2"}
+
+
 def test_an_unreachable_endpoint_counts_every_row_as_failed(tmp_path, endpoint):
     closed = endpoint.rsplit(":", 1)[0] + ":9/v1"  # the discard port on 127.0.0.1: nothing listens
     judge = OpenAIJudge(closed, "judge-model", retries=0, timeout=2)

@@ -199,12 +199,20 @@ class _PromptStream(IterableDataset):
                                  f"(it has {sorted(map(str, self.by_type))})")
         self.mixture = {t: w for t, w in (mixture or {}).items() if w > 0}
 
-    def draw(self, rng: random.Random) -> list[QAExample]:
-        """A batch drawn at random (by type with ``mixture``, else uniformly without repeats)."""
+    def draw(self, rng: random.Random, size: int | None = None) -> list[QAExample]:
+        """``size`` (default ``batch_size``) examples drawn at random (by type with ``mixture``, else uniformly
+        without repeats)."""
+        size = self.batch_size if size is None else size
         if self.mixture:
-            types = rng.choices(list(self.mixture), list(self.mixture.values()), k=self.batch_size)
+            types = rng.choices(list(self.mixture), list(self.mixture.values()), k=size)
             return [rng.choice(self.by_type[t]) for t in types]
-        return rng.sample(self.examples, min(self.batch_size, len(self.examples)))
+        return rng.sample(self.examples, min(size, len(self.examples)))
+
+    def draw_share(self, rng: random.Random) -> list[QAExample]:
+        """This rank's batch of one draw for all ranks: ``rng`` (seeded alike on every rank) draws ``world``
+        batches at once and rank r takes every w-th example, so the ranks' batches never share an example (without
+        ``mixture``, which draws with repeats)."""
+        return self.draw(rng, self.batch_size * self.world)[self.rank :: self.world]
 
     def _batches(self) -> Iterator[list[QAExample]]:
         if self.mixture:
@@ -545,7 +553,7 @@ class RolloutDataModule(L.LightningDataModule):
             kept += signal
             if len(kept) >= self.batch_size or rounds >= self.max_sampling_rounds:
                 break
-            prompts = self._stream().draw(random.Random(derive_seed(self.seed, "refill", self.consumed, rounds)))
+            prompts = self._stream().draw_share(random.Random(derive_seed(self.seed, "refill", self.consumed, rounds)))
         if self.filter_groups:
             kept = kept[: self.batch_size] or first
         flat = [(replace(t, prompt_index=g), ex, r) for g, group in enumerate(kept) for t, ex, r in group]

@@ -30,6 +30,7 @@ from bridge_pl.checkpoint_io import (
 )
 from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
 from bridge_pl.data.datamodule import DATA_RULES, RolloutDataModule, data_problems, read_stage_sources
+from bridge_pl.data.prompt_length import vllm_length_problem
 from bridge_pl.data.sources import check_corpus
 from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
 from bridge_pl.module import BridgeModule
@@ -116,11 +117,17 @@ class BridgeCLI(LightningCLI):
         problems = config_problems(config)
         if problems:
             self.parser.error("; ".join(problems))
+        if config.get("trainer.strategy") == "ddp":
+            # an iteration may skip θ's step (no group with signal, a non-finite loss), which plain DDP refuses
+            config["trainer.strategy"] = "ddp_find_unused_parameters_true"
         root = Path(config.get("trainer.default_root_dir") or os.getcwd())
         if self.subcommand is not None and root.is_dir() and _launching_process():
             self._lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
         if self.subcommand is not None and config.get("data") is not None:  # QA sets checked before models load
             self._qa_sets = read_stage_sources(self.subcommand, config.get("data"))
+            if problem := vllm_length_problem(config.get("data"), config.get("model.policy.init_args.model"),
+                                              self._qa_sets.values()):
+                raise ValueError(problem)  # the vLLM engine's length, checked from the tokenizer and HF config
         corpus = config.get("model.retriever.init_args.corpus")
         if self.subcommand is not None and config.get("model.retriever.class_path") in _OWN_RETRIEVERS \
                 and corpus is not None:  # None: a built index (index_path) holds the passages, checked when opened
@@ -252,7 +259,8 @@ def main(args: list[str] | None = None) -> None:
             BridgeCLI(args=args, parser_kwargs={"allow_abbrev": False})  # None: LightningCLI reads sys.argv
     except SIGTERMException as stop:  # Lightning's stop on SIGTERM (and ours on SIGINT) exits without a code
         line, status = exit_line(stop, argv)
-        sys.stderr.write(line + "\n")
+        if _launching_process():  # every rank stops at the same iteration; one says so
+            sys.stderr.write(line + "\n")
         raise SystemExit(status) from None
     except KeyboardInterrupt:  # a Ctrl-C before the loops run, or a second one
         sys.stderr.write("bridge-pl: interrupted (Ctrl-C) before an iteration ended; nothing was saved\n")

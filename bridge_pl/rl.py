@@ -366,7 +366,9 @@ def truncated_is_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mas
 
     Args:
         old_logp: ``[B, T]`` π_old log-probs of the sampled tokens (the trainer's forward).
-        sampler_logp: ``[B, T]`` the sampler's log-probs of the same tokens, at the same temperature.
+        sampler_logp: ``[B, T]`` the sampler's log-probs of the same tokens, like ``old_logp`` under the full
+            softmax at the sampling temperature (with top-p < 1, not renormalised over the nucleus: the gap is then the
+            samplers' numerics, not the truncation).
         mask: ``[B, T]`` action mask.
         cap: C >= 1; None: no truncation (the plain ratios, for the gap alone).
     """

@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers import tiny_cli, tiny_module
 
+from bridge_pl.data.datamodule import ExampleBatch
 from bridge_pl.data.qa import Passage
 from bridge_pl.models import resolve_model
 from bridge_pl.policy import Policy
@@ -248,14 +249,73 @@ def test_adapter_sync_serves_the_trained_lora_over_the_base(scripted):
             Policy(model="tiny-llama-hd32", dtype="float32", lora=False))
 
 
+def randomise_lora_b(policy: Policy, seed: int) -> None:
+    """Give every LoRA B of ``policy`` random values (std 0.5), so that the adapter changes what it samples."""
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5, generator=torch.Generator().manual_seed(seed + len(name)))
+
+
+def logprob_gap(policy: Policy, trajectories) -> float:
+    """Largest |sampler log-prob − ``policy``'s log-prob at temperature 1| over the sampled tokens of
+    ``trajectories`` (greedy ones: the sampler reports the softmax at temperature 1)."""
+    gaps = []
+    for traj in trajectories:
+        ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+        with torch.no_grad():
+            logp = policy(ids, torch.ones_like(ids))[0][0, len(traj.prompt_ids):]
+        sampled = torch.tensor(traj.action_mask, dtype=torch.bool)
+        gaps.append(float((logp - torch.tensor(traj.sampler_logprobs))[sampled].abs().max()))
+    return max(gaps)
+
+
+@pytest.mark.slow
+def test_adapter_sync_loads_each_pushed_adapter_once(scripted, monkeypatch):
+    """``weight_sync: adapter``: each push is loaded into the engine once, not at every scheduling step of a
+    multi-turn rollout, and after an update the engine serves the new adapter (its log-probs are the updated
+    policy's)."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    loads = []
+    load = WorkerLoRAManager._load_adapter
+
+    def counted_load(self, lora_request):
+        loads.append(lora_request.lora_int_id)
+        return load(self, lora_request)
+
+    monkeypatch.setattr(WorkerLoRAManager, "_load_adapter", counted_load)
+    _, env, _ = scripted
+    policy = Policy(model="tiny-llama-hd32", dtype="float32", lora_r=4)
+    randomise_lora_b(policy, seed=0)
+    tok = policy.tokenizer
+    prompts = [tok.encode("Who wrote Hamlet?"), tok.encode("The capital of France is")]
+    kwargs = dict(max_turns=2, max_new_tokens_per_turn=4, max_response_tokens=100)
+    engine = VLLMRolloutEngine(env, **kwargs, config=replace(SMALL, weight_sync="adapter"))
+    try:
+        first = engine.rollout(policy, prompts, search, greedy=True)
+        assert max(t.turns for t in first) > 1 and loads == [1]
+        engine.rollout(policy, prompts, search, greedy=True)
+        assert loads == [1] and engine.syncs == 1  # nothing changed: no push, no load
+        randomise_lora_b(policy, seed=1)
+        second = engine.rollout(policy, prompts, search, greedy=True)
+        assert loads == [1, 2] and engine.syncs == 2
+    finally:
+        engine.close()
+    assert logprob_gap(policy, first) > 0.1  # the update moved the log-probs: the check below can tell them apart
+    assert logprob_gap(policy, second) < 1e-3
+
+
 VLLM_TINY = ("--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=vllm", "--data.vllm.kv_cache_gb=1",
              "--data.vllm.max_model_len=1024")
 
 
 def test_the_losses_weight_tokens_by_the_samplers_logprobs(tmp_path):
     """A training rollout through vLLM carries the sampler's log-probs; with ``model.rl.tis_cap`` each token's loss
-    is weighted by min(π_old / π_sampler, cap), and the gap is logged."""
-    module, data = tiny_module(tmp_path, *VLLM_TINY, "--model.rl.tis_cap=2.0")
+    is weighted by min(π_old / π_sampler, cap), and the gap is logged. Sampled at T = 0.9 with top-p 0.7: vLLM's
+    log-probs are under the full tempered softmax, as π_old's, so the gap stays ~0."""
+    module, data = tiny_module(tmp_path, *VLLM_TINY, "--model.rl.tis_cap=2.0", "--data.top_p=0.7",
+                               "--data.temperature=0.9")
     try:
         batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
     finally:
@@ -283,6 +343,37 @@ def test_fit_and_validate_with_vllm(tmp_path):
     assert int(cli.model.policy_version) == 2
     assert "val/world_dev/em" in cli.trainer.callback_metrics
     assert isinstance(cli.datamodule._engine, VLLMRolloutEngine) and cli.datamodule._engine.llm is None
+
+
+@pytest.mark.slow
+def test_under_bf16_mixed_vllm_generates_with_autocast_off(tmp_path, monkeypatch):
+    """``bf16-mixed``: the rollout runs inside the steps' precision context (autocast, which the hf backend's
+    forward follows), while every call into vLLM's generate (the build's warm-up, each turn) runs with it off."""
+    from vllm import LLM
+
+    module, data = tiny_module(tmp_path, *VLLM_TINY, "--trainer.precision=bf16-mixed")
+    seen: dict[str, list[bool]] = {"rollout": [], "generate": []}
+    generate, rollout = LLM.generate, data.rollout
+
+    def spied_generate(self, *args, **kwargs):
+        seen["generate"].append(torch.is_autocast_enabled("cpu"))
+        return generate(self, *args, **kwargs)
+
+    def spied_rollout(*args, **kwargs):
+        seen["rollout"].append(torch.is_autocast_enabled("cpu"))
+        return rollout(*args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", spied_generate)
+    monkeypatch.setattr(data, "rollout", spied_rollout)
+    data.trainer.strategy.connect(module)  # what on_after_batch_transfer reads of a fitting trainer
+    data.trainer.training = True
+    try:
+        batch = data.on_after_batch_transfer(ExampleBatch(data.load("world/train")[:1]), 0)
+    finally:
+        data.teardown("fit")
+    assert seen["rollout"] == [True]
+    assert len(seen["generate"]) >= 2 and not any(seen["generate"])
+    assert batch.sampler_logprobs is not None
 
 
 @pytest.mark.slow

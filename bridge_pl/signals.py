@@ -9,9 +9,10 @@ checkpoint, and a resume redoes the iteration. A second Ctrl-C stops at once, wi
 
 With several processes the ranks decide together: a signal only marks the rank that got it, and at each iteration's
 end (and after each validation) the ranks reduce their marks, so a signal that reaches one rank, or the ranks at
-different moments, stops every rank at the same iteration with the same checkpoint. A signal that arrives during a
-validation takes effect when that validation ends (ranks may hold different numbers of evaluation batches, so there
-is no earlier point they all pass); a ``validate`` or ``test`` command then exits as stopped.
+different moments, stops every rank at the same iteration with the same checkpoint. A validation is not cut short
+(ranks may hold different numbers of evaluation batches, so there is no earlier point they all pass): a signal
+before or during one stops the run when it ends, after the checkpoint callbacks have saved its iteration; a
+``validate`` or ``test`` command then exits as stopped.
 """
 
 from __future__ import annotations
@@ -82,30 +83,37 @@ class StopOnSignal(pl.Callback):
         self._trainer._signal_connector.received_sigterm = True  # Lightning's own stop at the batch boundary
 
     def _agree(self, trainer: pl.Trainer) -> bool:
-        """Whether any rank got a signal (a collective with several processes); if so, every rank stops at
-        Lightning's next check, and a rank that got none takes the others' signal for its exit status."""
+        """Whether any rank got a signal (a collective with several processes); a rank that got none takes the
+        others' signal for its exit status."""
         signum = max_across_ranks(self.signum or 0)
-        if signum:
-            self.signum = self.signum or signum
-            trainer._signal_connector.received_sigterm = True
+        self.signum = self.signum or signum or None
         return bool(signum)
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        trainer._signal_connector.received_sigterm = True  # Lightning stops at its next check, on every rank alike
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         # the point where checkpoint callbacks save an iteration (a state a resume continues exactly)
         if not self._agree(trainer):
             return
-        callback = trainer.checkpoint_callback
-        if callback is None or getattr(callback, "dirpath", None) is None:
+        if validation_follows(trainer):
+            if trainer.world_size > 1:
+                return  # stops when the validation ends (on_validation_end), which saves this iteration
+            self._stop(trainer)  # one process: the validation stops at its next batch; nothing saved here
             return
-        if not validation_follows(trainer):
+        self._stop(trainer)
+        callback = trainer.checkpoint_callback
+        if callback is not None and getattr(callback, "dirpath", None) is not None:
             self.saved = Path(callback.dirpath) / "last.ckpt"
             trainer.save_checkpoint(self.saved)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # in a fit, Lightning stops after this validation (its checkpoint callbacks save it first); a validate
-        # command has no later check, so it stops here
-        if trainer.world_size > 1 and self._agree(trainer) and trainer.state.fn != TrainerFn.FITTING:
-            raise SIGTERMException
+        # several processes: in a fit, Lightning stops after this validation (its checkpoint callbacks save it
+        # first); a validate command has no later check, so it stops here
+        if trainer.world_size > 1 and self._agree(trainer):
+            self._stop(trainer)
+            if trainer.state.fn != TrainerFn.FITTING:
+                raise SIGTERMException
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1 and self._agree(trainer):

@@ -1,4 +1,5 @@
-"""The README is a manual: short, no commit hashes or issue references, and every command in it runs as written.
+"""The README is a manual: short, no commit hashes or issue references, and every command in it (and in
+docs/cluster.md) runs as written.
 
 ``bridge-pl`` commands are parsed as the CLI parses them (``--print_config`` stops before any model loads),
 ``bridge-pl world`` runs, ``make`` targets exist in the Makefile, and every relative link points into the tree.
@@ -18,10 +19,10 @@ README = (ROOT / "README.md").read_text()
 DOCS = {path.name: path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
 
 
-def _commands() -> list[list[str]]:
-    """The README's shell commands (```bash blocks), continuation lines joined and comments dropped."""
+def _commands(text: str = README) -> list[list[str]]:
+    """The shell commands of ``text`` (```bash blocks), continuation lines joined and comments dropped."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words:
@@ -51,8 +52,11 @@ def test_the_make_targets_exist():
     assert used and used <= targets
 
 
-@pytest.mark.parametrize("words", [w for w in _commands() if w[0] == "bridge-pl" and w[1] not in ("world", "index")],
-                         ids=lambda words: " ".join(words[1:4]))
+MANUAL_COMMANDS = [*_commands(), *_commands(DOCS["cluster.md"])]
+RUN_COMMANDS = [w for w in MANUAL_COMMANDS if w[0] == "bridge-pl" and w[1] not in ("world", "index")]
+
+
+@pytest.mark.parametrize("words", RUN_COMMANDS, ids=lambda words: " ".join(words[1:4]))
 def test_a_bridge_pl_command_parses(words, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # config paths are relative to the checkout, as a user runs them
     args = [word for word in words[1:] if word != "--print_config"]
@@ -66,7 +70,7 @@ def test_the_index_commands_parse():
     """``bridge-pl index`` commands (building encodes a whole corpus: parsed here, run by tests/test_index_build.py)."""
     from bridge_pl.index_cli import _parser
 
-    commands = [w for w in _commands() if w[:2] == ["bridge-pl", "index"]]
+    commands = [w for w in MANUAL_COMMANDS if w[:2] == ["bridge-pl", "index"]]
     assert commands
     for words in commands:
         assert _parser().parse_args(words[2:]).command == words[2]

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from bridge_pl.rewards import answer_scores
+from bridge_pl.rewards import answer_scores, choice_scores
 
 if TYPE_CHECKING:
     from bridge_pl.rollout.batch import RolloutBatch
@@ -46,8 +46,8 @@ class QAMetrics(Metric):
     ``compute()`` returns float32 scalars:
 
     - ``em``, ``f1``, ``sub_em``: mean over questions of the best score against the question's golds
-      (a ``None`` prediction, i.e. no answer, scores 0); on a multiple-choice question all three are 1 for the
-      gold option and 0 otherwise (``bridge_pl.rewards.answer_scores``);
+      (a ``None`` prediction, i.e. no answer, scores 0); on a multiple-choice question all three are 1 when the
+      letter its reward read is the gold letter and 0 otherwise (:func:`trajectory_scores`);
     - ``accuracy``: share of the multiple-choice questions answered with the gold option; present only when
       the set has multiple-choice questions;
     - ``turns``: mean generation turns per question;
@@ -89,16 +89,23 @@ class QAMetrics(Metric):
         valid_actions: Sequence[int] | Tensor,
         actions: Sequence[int] | Tensor,
         options: Sequence[dict[str, str] | None] | None = None,
+        choices: Sequence[str | None] | None = None,
     ) -> None:
         """Add one batch of ``n`` questions; every argument has ``n`` entries (counts: ints or shape (n,)).
 
         ``options``: per question, its ``{letter: text}`` options if it is multiple choice (its gold is the
-        letter), else None; None for the whole argument means no question is multiple choice.
+        letter), else None; None for the whole argument means no question is multiple choice. ``choices``: per
+        question, the option letter its answer was read as (``bridge_pl.rewards.choice_letter``, as the reward read
+        it; None: no option named); needed when some question is multiple choice, ignored for free-text ones.
         """
         n = len(predictions)
         options = [None] * n if options is None else options
+        if choices is None and any(options):
+            raise ValueError("QAMetrics.update: multiple-choice questions need choices, the letters their answers "
+                             "were read as")
+        choices = [None] * n if choices is None else choices
         counts = {"turns": turns, "searches": searches, "valid_actions": valid_actions, "actions": actions}
-        for field, values in {"golds": golds, "options": options, **counts}.items():
+        for field, values in {"golds": golds, "options": options, "choices": choices, **counts}.items():
             if len(values) != n:
                 raise ValueError(f"QAMetrics.update: {field} has {len(values)} entries, predictions has {n}")
         tensors = {k: torch.as_tensor(v, dtype=torch.float64).reshape(n) for k, v in counts.items()}
@@ -111,23 +118,23 @@ class QAMetrics(Metric):
                 f"{tensors['valid_actions'].tolist()} vs {tensors['actions'].tolist()}"
             )
 
-        scores = [answer_scores(p, g, o) for p, g, o in zip(predictions, golds, options)]
+        scores = [trajectory_scores(p, g, o, c) for p, g, o, c in zip(predictions, golds, options, choices)]
         for name in ("em", "f1", "sub_em"):
             setattr(self, name, getattr(self, name) + sum(score[name] for score in scores))
-        choices = [score["em"] for score, o in zip(scores, options) if o]
-        self.correct_choices += sum(choices)
-        self.choice_questions += len(choices)
+        correct = [score["em"] for score, o in zip(scores, options) if o]
+        self.correct_choices += sum(correct)
+        self.choice_questions += len(correct)
         for field, values in tensors.items():
             setattr(self, field, getattr(self, field) + values.sum().item())
         self.questions += n
 
     def update_from_rollouts(self, batch: RolloutBatch) -> None:
-        """Add one evaluation ``RolloutBatch``: its answers, golds, turn and search counts, actions and the
-        options of its multiple-choice questions (``metadata["options"]``)."""
+        """Add one evaluation ``RolloutBatch``: its answers, golds, turn and search counts, actions, the options of
+        its multiple-choice questions (``metadata["options"]``) and the letters their rewards read (``choices``)."""
         self.update(
             batch.answers, batch.golds, batch.turns.tolist(), batch.num_searches.tolist(),
             batch.valid_actions.tolist(), (batch.valid_actions + batch.invalid_actions).tolist(),
-            [m.get("options") for m in batch.metadata],
+            [m.get("options") for m in batch.metadata], batch.choices,
         )
 
     def compute(self) -> dict[str, Tensor]:
@@ -163,6 +170,13 @@ class QAMetrics(Metric):
             this._defaults[name] = this._defaults[name].to(this.device)
             setattr(this, name, getattr(this, name).to(this.device))
         return this
+
+
+def trajectory_scores(answer: str | None, golds: Sequence[str], options: dict[str, str] | None, choice: str | None
+                      ) -> dict[str, float]:
+    """``{em, f1, sub_em}`` of one trajectory: on a multiple-choice question (``options``) from ``choice``, the letter
+    its reward read (never from ``answer`` again, so the score is the reward's); else from the free-text ``answer``."""
+    return choice_scores(choice, golds) if options else answer_scores(answer, golds)
 
 
 def valid_action_rate(valid_actions: Tensor, actions: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ Every score takes ``golds``, a non-empty list of gold answers, and returns the m
 from __future__ import annotations
 
 import functools
+import json
 import re
 import string
 from abc import ABC, abstractmethod
@@ -165,59 +166,136 @@ def is_valid_format(
         awaiting_information = name == search_tag
 
 
-# An optional lead-in ("the answer is", "option", "answer:"), the letter (optionally bracketed), then an optional
-# separator and the rest (e.g. the option's text).
-_CHOICE = re.compile(
-    r"(?:(?:the\s+)?(?:correct\s+|final\s+|best\s+)?(?:answer|option|choice)(?:\s+is)?\s*[:\-]?\s*)?"
-    r"(?P<open>[(\[{])?(?P<letter>[A-Za-z])(?P<close>[)\]}])?(?:(?P<sep>\s*[.:)\-]|\s)\s*(?P<rest>.*))?",
-    re.IGNORECASE | re.DOTALL,
+# ---- multiple choice: which option an answer names (docs/medical.md, "Reading the answer") ----------------------
+
+# A lead-in before the letter: "Answer:", "The answer is", "The correct option is", "Final answer -", "Choice".
+_LEAD_IN = re.compile(
+    r"(?:(?:so|thus|therefore|hence)\s*,?\s+)?(?:(?:the|my)\s+)?(?:(?:correct|final|best|right)\s+)?"
+    r"(?:answer|option|choice)\b(?:\s+(?:is|would\s+be))?\s*(?:[:=]|[-–—](?=\s))?\s*",
+    re.IGNORECASE,
 )
-_DECORATION = " \t\n*_`'\"."
+_BRACKETED = re.compile(r"[(\[{]\s*([A-Za-z])\s*[)\]}](.*)", re.DOTALL)  # (B) [B] {B}, then the rest
+_LETTER = re.compile(r"([A-Za-z])(.*)", re.DOTALL)  # a letter, then what follows it
+_DELIMITER = re.compile(r"[.):;,/\]}]|\s*[-–—:](?:\s|$)")  # what may follow a letter: "B." "B)" "B -"
+_OTHER_LETTER = re.compile(  # the start of a rest that gives a second letter: "or B", "and (C)", "B" after "A,"
+    r"(?:(?:or|and|nor|&)\s+)?(?:[(\[{]\s*([A-Za-z])\s*[)\]}]|([A-Za-z])(?:\s*$|[.):;,/]))"
+    r"|(?:or|and|nor|&)\s+([A-Za-z])(?![A-Za-z0-9])",
+    re.IGNORECASE,
+)
+_EDGES = " \t\r\n'\"_"  # stripped from both ends of an answer (quotes, markdown underscores)
+_REST_EDGES = _EDGES + ".):;,-–—/"  # also stripped from the start of the text after a letter
+
+
+def _unwrapped(answer: str) -> str:
+    """``answer`` without markdown emphasis (``*``, backticks) and surrounding quotes or spaces; a JSON object with
+    a string ``answer_choice`` (the format MIRAGE's prompts ask for) gives that field's value."""
+    text = answer.replace("*", "").replace("`", "").strip(_EDGES)
+    if text.startswith("{"):
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            return text
+        if isinstance(record, dict) and isinstance(record.get("answer_choice"), str):
+            return _unwrapped(record["answer_choice"])
+    return text
+
+
+def _without_lead_in(text: str) -> tuple[str, bool]:
+    """``(text after a leading lead-in, whether there was one)``: ``"The answer is (B)."`` -> ``("(B).", True)``."""
+    match = _LEAD_IN.match(text)
+    return (text, False) if match is None else (text[match.end():], True)
+
+
+def option_key(text: str) -> str:
+    """The form in which an answer and an option text are compared: lower case, ASCII punctuation dropped, spaces
+    squashed. Articles are kept: ``"A virus"`` and ``"virus"`` are different options."""
+    return " ".join(text.lower().translate(_PUNCTUATION).split())
+
+
+def option_by_text(text: str, options: dict[str, str]) -> str | None:
+    """The letter of the one option whose text is ``text`` (compared by :func:`option_key`), or None."""
+    key = option_key(text)
+    letters = [letter for letter, option in options.items() if key and option_key(option) == key]
+    return letters[0] if len(letters) == 1 else None
+
+
+def letter_form(text: str, lead_in: bool, options: dict[str, str]) -> tuple[str, str] | None:
+    """``(letter, rest)`` when ``text`` starts with a letter form, else None; ``letter`` is upper case, ``rest``
+    what follows it (delimiters and spaces stripped).
+
+    Letter forms: a letter alone (``B``, ``b``), bracketed (``(B)``, ``[B]``, ``{B}``) or before a delimiter
+    (``B.``, ``B)``, ``B:``, ``B,``, ``B/``, ``B -``). A letter, a space and more words is a letter form only after
+    a lead-in (upper case: ``The answer is B because ...``) or when the words are its own option's text
+    (``C Beta cell``); otherwise it is read as text (``A virus``, ``I think so``).
+    """
+    if match := _BRACKETED.match(text):
+        letter, after, spaced = match[1], match[2], False
+    elif match := _LETTER.match(text):
+        letter, after = match[1], match[2]
+        spaced = not (after.strip() == "" or _DELIMITER.match(after))
+        if spaced and not after[:1].isspace():
+            return None  # "AB", "B12", "B-cell": a word, not a letter
+    else:
+        return None
+    rest = after.strip(_EDGES if spaced else _REST_EDGES)
+    own = options.get(letter.upper())
+    if spaced and not (lead_in and letter.isupper()) and (own is None or option_key(rest) != option_key(own)):
+        return None
+    return letter.upper(), rest
+
+
+def rest_agrees(letter: str, rest: str, options: dict[str, str]) -> bool:
+    """Whether the text ``rest`` after a letter leaves the answer unambiguous: it is empty, the letter's own option
+    text or an explanation; not another option's text (``A. London`` where London is B), not a second letter
+    (``A or B``, ``A, B``, ``A/B``) and not, read with the letter, another option's text (``B. cereus`` where option
+    C is "B. cereus")."""
+    if not rest or option_key(rest) == option_key(options[letter]):
+        return True
+    if option_by_text(rest, options) not in (None, letter):
+        return False
+    if option_by_text(f"{letter} {rest}", options) not in (None, letter):
+        return False
+    second = _OTHER_LETTER.match(rest)
+    return second is None or next(g for g in second.groups() if g).upper() == letter
 
 
 def choice_letter(answer: str | None, options: dict[str, str]) -> str | None:
-    """The option letter an answer names, or None: a multiple-choice answer mapped to a letter of ``options``.
+    """The option letter an answer names, or None: the reading rule of docs/medical.md ("Reading the answer").
 
-    Accepted: the exact text of one option (compared after SQuAD normalisation, so case, punctuation and
-    articles do not matter); or the letter (any case: ``C``, ``c``, ``C.``, ``(C)``, ``[C]``, ``C)``, ``**C**``),
-    after an optional lead-in (``Answer: C``, ``The answer is (C)``, ``Option C``), followed by nothing, by its
-    option's text (``C. Paris``, ``C Paris``) or, after a bracket or punctuation, by anything but another
-    option's text (``C) because ...``). A bare letter, a space and other words (``A virus``) is read as text,
-    not as a letter. A letter that is not among the options gives None.
+    A letter form (:func:`letter_form`, after an optional lead-in such as ``Answer:`` or ``The answer is``) of a
+    letter among ``options`` is that letter, whatever the option texts are, or None when text after it names another
+    option (:func:`rest_agrees`). Otherwise the answer is matched against the option texts (:func:`option_by_text`),
+    whole and after its lead-in, so a letter no option has names none unless the answer is an option's whole text
+    (``E. coli``). Anything else (``not A``, ``A or B``, ``E`` of A-D, a text no option has) gives None. Markdown
+    emphasis, quotes, case and a MIRAGE-style ``{"answer_choice": "B"}`` are accepted. ``options`` maps upper-case
+    letters to texts.
     """
     if answer is None:
         return None
-    text = answer.strip(_DECORATION)
-    by_text = {normalize_answer(v): k for k, v in options.items()}
-    if (key := normalize_answer(text)) and key in by_text:
-        return by_text[key]
-    match = _CHOICE.fullmatch(text)
-    if match is None:
-        return None
-    letter = match["letter"].upper()
-    if letter not in options:
-        return None
-    rest = normalize_answer(match["rest"] or "")
-    if rest and by_text.get(rest, letter) != letter:
-        return None  # "B. <option A's text>": the two disagree
-    bare = not (match["open"] or match["close"] or (match["sep"] or "").strip())
-    if rest and bare and by_text.get(rest) != letter:
-        return None  # "A virus": an article and a word, not option A (a letter then a space needs its own text)
-    return letter
+    text = _unwrapped(answer)
+    remainder, lead_in = _without_lead_in(text)
+    form = letter_form(remainder, lead_in, options)
+    if form is not None and form[0] in options:
+        letter, rest = form
+        return letter if rest_agrees(letter, rest, options) else None
+    # no letter form, or a letter no option has: only an option's whole text names one ("E. coli", "O")
+    return option_by_text(text, options) or (option_by_text(remainder, options) if lead_in else None)
 
 
-def choice_score(answer: str | None, gold_letter: str, options: dict[str, str]) -> float:
-    """1.0 if the answer names the gold option (see :func:`choice_letter`), else 0.0."""
-    return float(choice_letter(answer, options) == gold_letter)
+def choice_scores(letter: str | None, golds: Sequence[str]) -> dict[str, float]:
+    """``{em, f1, sub_em}`` of a multiple-choice answer already read as ``letter`` (None: no option named): each is
+    1.0 when it is the gold letter ``golds == [letter]``, else 0.0."""
+    correct = float(letter is not None and letter == _checked_golds(golds)[0])
+    return {"em": correct, "f1": correct, "sub_em": correct}
 
 
 def answer_scores(prediction: str | None, golds: Sequence[str], options: dict[str, str] | None = None
                   ) -> dict[str, float]:
-    """``{em, f1, sub_em}`` of one prediction. On a multiple-choice question (``options`` given; ``golds`` is
-    ``[letter]``) all three are :func:`choice_score`: SQuAD normalisation would erase the letter "A"."""
+    """``{em, f1, sub_em}`` of one free-text prediction. With ``options`` (a multiple-choice question whose ``golds``
+    is ``[letter]``) the prediction is read by :func:`choice_letter` first, for a caller that holds only the text;
+    rollouts carry the letter their reward read (``RolloutBatch.choices``): score those with :func:`choice_scores`."""
     if options:
-        correct = choice_score(prediction, _checked_golds(golds)[0], options)
-        return {"em": correct, "f1": correct, "sub_em": correct}
+        return choice_scores(choice_letter(prediction, options), golds)
     return {"em": exact_match(prediction, golds), "f1": f1_score(prediction, golds),
             "sub_em": sub_exact_match(prediction, golds)}
 

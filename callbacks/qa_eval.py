@@ -7,10 +7,12 @@ dataset name, as in ``mirage/medqa``, becomes ``_``; one line per question:
 ``id, question, type, options, golden_answers, prediction, em, f1, reward, response, searches``, where ``type`` is
 the example's ``metadata["type"]`` (the world's ``single`` / ``bridge`` / ``comparison``, a MIRAGE subset; null
 when the data has none), ``options`` the multiple-choice options (null for free text; ``prediction`` is then the
-letter the answer names) and each search is ``{query, titles, ids}`` of the passages shown), ``add_text`` panels
-``<stage>/<dataset>/trajectories`` on every TensorBoard logger, and, when the examples have a type, EM and
-searches per type, logged through the module (rank 0's numbers, on every rank): ``<stage>/<dataset>/by_type/<type>/em``,
-``.../searches`` (a policy that never searches twice scores 0 on 2-hop questions; the dataset average hides it).
+letter the reward read, or the answer as written when it names no option, and ``em`` / ``f1`` score that letter,
+as the reward and ``accuracy`` do) and each search is ``{query, titles, ids}`` of the passages shown),
+``add_text`` panels ``<stage>/<dataset>/trajectories`` on every TensorBoard logger, and, when the examples have a
+type, EM and searches per type, logged through the module (rank 0's numbers, on every rank):
+``<stage>/<dataset>/by_type/<type>/em``, ``.../searches`` (a policy that never searches twice scores 0 on 2-hop
+questions; the dataset average hides it).
 
 With a ``judge`` (opt-in: one judge call per trajectory), every record also gets ``reasoning_quality`` (1-5, or
 null when the reply held no score or the request failed) and ``judge_reply``, and the module logs
@@ -52,8 +54,7 @@ from bridge_pl.credit_analysis import trajectory_searches
 from bridge_pl.data.qa import Passage
 from bridge_pl.distributed import join_at_rank_zero, process_rank, share_from_rank_zero, wait_for_ranks
 from bridge_pl.judge import Judge, JudgeCache, apply_verdicts, judge_verdicts, summarize
-from bridge_pl.metrics import set_means
-from bridge_pl.rewards import answer_scores
+from bridge_pl.metrics import set_means, trajectory_scores
 from bridge_pl.rollout.batch import RolloutBatch
 from callbacks.progress import plain_line
 
@@ -74,7 +75,7 @@ def prediction_records(batch: RolloutBatch, passage: Callable[[int], Passage]) -
     records = []
     for b, searches in enumerate(trajectory_searches(batch, passage)):
         answer, golds, options = batch.answers[b], batch.golds[b], batch.metadata[b].get("options")
-        scores = answer_scores(answer, golds, options)
+        scores = trajectory_scores(answer, golds, options, batch.choices[b])
         records.append({
             "id": batch.example_ids[b],
             "question": batch.questions[b],

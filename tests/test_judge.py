@@ -163,6 +163,7 @@ def test_qa_eval_writes_the_judgement_per_row_and_logs_per_set_and_macro_means(e
                           metadata=[{"options": {"A": "yes", "B": "no"}}] * len(questions), dataset=dataset)
         b.questions = list(questions)
         b.example_ids = [f"{dataset}-{i}" for i in range(len(questions))]
+        b.choices = ["A"] * len(questions)  # the letter each answer's reward read
         return b
 
     sets = {"mirage/bioasq": ["good", "chatty"], "mirage/pubmedqa": ["flaky", "refused"]}

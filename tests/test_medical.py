@@ -104,15 +104,15 @@ def test_medrag_rows_are_a_corpus_kind_read_from_a_file_or_a_folder():
     ({"id": "x", "content": "c"}, "title", "is missing"),
     ({"id": "x", "title": "T"}, "content", "is missing"),
     ({"id": "x", "title": "T", "content": 3}, "content", "must be a string"),
-    ({"id": "x", "title": "T", "content": " "}, "content", "is blank"),
-    ({"id": "Pharmacology_Katzung_0", "title": "T", "content": "c"}, "id", "duplicates id"),
+    ({"id": "x", "title": "T", "content": " "}, "content", "is blank"),  # strict only
+    ({"id": "Pharmacology_Katzung_0", "title": "T", "content": "c"}, "id", "duplicates id"),  # strict only
 ])
 def test_a_bad_medrag_row_fails_with_file_line_and_field(tmp_path, row, field, expected):
     good = (MEDRAG / "textbooks" / "chunk" / "Pharmacology_Katzung.jsonl").read_text().splitlines()[:2]
     path = tmp_path / "chunk.jsonl"
     path.write_text("\n".join([*good, json.dumps(row)]) + "\n")
     with pytest.raises(DataFormatError) as err:
-        read_medrag(path)
+        load_corpus(f"medrag:{path}?strict")
     assert str(err.value).startswith(f"{path}:3: field '{field}'") and expected in str(err.value)
 
 
@@ -121,7 +121,7 @@ def test_an_empty_medrag_file_or_folder_fails(tmp_path):
     with pytest.raises(DataFormatError, match="a.jsonl: no passages"):
         read_medrag(tmp_path)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataFormatError, match="without .jsonl files"):
+    with pytest.raises(DataFormatError, match="without .jsonl or .jsonl.gz files"):
         read_medrag(tmp_path / "empty")
 
 
@@ -143,7 +143,7 @@ STYLES = [  # (answer as written, letter read)
     ("The answer is (C).", "C"), ("The correct answer is C", "C"), ("Option C", "C"), ("option (c)", "C"),
     ("Choice: C", "C"), ("C. Beta cell", "C"), ("(C) Beta cell", "C"), ("C - Beta cell", "C"),
     ("C Beta cell", "C"), ("C) because insulin comes from islets", "C"), ("Beta cell", "C"), ("beta cell.", "C"),
-    ("the beta cell", "C"), ("A", "A"), ("D. Kupffer cell", "D"), ("type ii pneumocyte", "B"),
+    ("the beta cell", None), ("A", "A"), ("D. Kupffer cell", "D"), ("type ii pneumocyte", "B"),
     # what must not map to a letter
     ("E", None), ("(E)", None), ("C. Hepatocyte", None), ("A virus", None), ("Beta cells of the islets", None),
     ("I am not sure", None), ("", None), (None, None), ("CD", None),
@@ -164,10 +164,10 @@ def test_accuracy_equals_a_hand_count_and_the_macro_average_the_mean_of_subsets(
     four = dict(OPTIONS)
     # subset 1: 3 of 4 right; subset 2: 1 of 2 right; one free-text question does not count towards accuracy
     metric_1, metric_2 = QAMetrics(), QAMetrics()
-    metric_1.update(["C", "(A)", "Kupffer cell", "B"], [["C"], ["A"], ["D"], ["A"]], [1] * 4, [0] * 4, [1] * 4,
-                    [1] * 4, [four] * 4)
-    metric_2.update(["yes", "maybe", "Paris"], [["A"], ["B"], ["Paris"]], [1] * 3, [0] * 3, [1] * 3, [1] * 3,
-                    [yes_no, yes_no, None])
+    metric_1.update(["C", "A", "D", "B"], [["C"], ["A"], ["D"], ["A"]], [1] * 4, [0] * 4, [1] * 4,
+                    [1] * 4, [four] * 4, ["C", "A", "D", "B"])
+    metric_2.update(["A", "maybe", "Paris"], [["A"], ["B"], ["Paris"]], [1] * 3, [0] * 3, [1] * 3, [1] * 3,
+                    [yes_no, yes_no, None], ["A", None, None])
     one, two = metric_1.compute(), metric_2.compute()
     assert float(one["accuracy"]) == pytest.approx(3 / 4) and float(one["em"]) == pytest.approx(3 / 4)
     assert float(two["accuracy"]) == pytest.approx(1 / 2) and float(two["em"]) == pytest.approx(2 / 3)
@@ -245,7 +245,7 @@ def test_a_multiple_choice_rollout_is_rewarded_for_the_gold_letter(tmp_path):
 
     texts = ["<answer>(C)</answer>", "<answer>Beta cell</answer>", "<answer>A</answer>", "<answer>Paris</answer>"]
     scores = data._score(module, [written(t) for t in texts], [example, example, example, free])
-    assert scores == [("C", 1.0), ("C", 1.0), ("A", 0.0), ("Paris", 1.0)]
+    assert scores == [("C", 1.0, "C"), ("C", 1.0, "C"), ("A", 0.0, "A"), ("Paris", 1.0, None)]
 
 
 def test_a_tiny_fit_on_world_mc_trains_and_logs_accuracy(tmp_path):

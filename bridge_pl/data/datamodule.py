@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -29,7 +29,7 @@ from bridge_pl.data.qa import QAExample, QASpec
 from bridge_pl.data.sources import load_qa
 from bridge_pl.distributed import gather_per_rank, this_ranks
 from bridge_pl.policy import BranchedSequence
-from bridge_pl.rewards import ExactMatchReward, RewardFunction, choice_letter, extract_answer
+from bridge_pl.rewards import ExactMatchReward, RewardFunction, choice_letter, choice_scores, extract_answer
 from bridge_pl.rollout.agent import RolloutAgent
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import MultiTurnEngine, RolloutEngine, Trajectory
@@ -147,6 +147,16 @@ def policy_text(trajectory: Trajectory, tokenizer) -> str:
     """The text of the tokens the policy generated (observations and env messages left out)."""
     ids = [i for i, m in zip(trajectory.response_ids, trajectory.action_mask) if m]
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Score(NamedTuple):
+    """What one trajectory scored: its ``answer`` (a multiple-choice one as the option letter it names, as written
+    when it names none; None: no answer), its ``reward``, and ``choice``, the letter its multiple-choice answer was
+    read as (None: no option named, or a free-text question)."""
+
+    answer: str | None
+    reward: float
+    choice: str | None
 
 
 class ExampleBatch:
@@ -442,8 +452,9 @@ class RolloutDataModule(L.LightningDataModule):
         batch = RolloutBatch.from_trajectories(
             trajectories,
             pad_token_id=tokenizer.pad_token_id,
-            answers=[answer for answer, _ in scores],
-            rewards=[reward for _, reward in scores],
+            answers=[score.answer for score in scores],
+            rewards=[score.reward for score in scores],
+            choices=[score.choice for score in scores],
             golds=[ex.golden_answers for ex in per_traj],
             questions=[ex.question for ex in per_traj],
             example_ids=[ex.id for ex in per_traj],
@@ -503,10 +514,10 @@ class RolloutDataModule(L.LightningDataModule):
         return engine
 
     def _score(self, module: RolloutAgent, trajectories: list[Trajectory], per_traj: list[QAExample]
-    ) -> list[tuple[str | None, float]]:
-        """(extracted answer, reward) per trajectory, from one decode of what the policy wrote (env messages
-        quote the answer tags too, so they are left out). A multiple-choice answer is given as the option letter
-        it names (as written when it names none)."""
+    ) -> list[Score]:
+        """A :class:`Score` per trajectory, from one decode of what the policy wrote (env messages quote the answer
+        tags too, so they are left out). A multiple-choice answer is read once, here, as an option letter (its
+        ``choice``); the reward, the metrics and the predictions files all score that letter."""
         tokenizer = module.policy.tokenizer
         tags = dict(open_tag=self.env_config.open_tag("answer"), close_tag=self.env_config.close_tag("answer"))
         scores = []
@@ -514,14 +525,14 @@ class RolloutDataModule(L.LightningDataModule):
             text = policy_text(trajectory, tokenizer)
             answer = extract_answer(text, **tags)
             if options := ex.metadata.get("options"):
-                letter = choice_letter(answer, options)  # the reward is choice_score's: the gold letter named
-                scores.append((letter or answer, float(letter == ex.golden_answers[0])))
+                letter = choice_letter(answer, options)
+                scores.append(Score(letter or answer, choice_scores(letter, ex.golden_answers)["em"], letter))
             else:
-                scores.append((answer, self.reward(text, ex.golden_answers)))
+                scores.append(Score(answer, self.reward(text, ex.golden_answers), None))
         return scores
 
     def _sample_groups(self, module: RolloutAgent, examples: list[QAExample]):
-        """The training groups: ``(trajectories, example per trajectory, (answer, reward) per trajectory, stats)``.
+        """The training groups: ``(trajectories, example per trajectory, Score per trajectory, stats)``.
 
         Without ``filter_groups``: one group of ``n_samples`` per prompt. With it (DAPO's dynamic sampling):
         groups whose rewards are all equal carry no GRPO signal and are dropped; while fewer than
@@ -531,20 +542,20 @@ class RolloutDataModule(L.LightningDataModule):
         retriever still learns). Stats: ``sampled_groups``, ``sampled_groups_with_signal`` (share, before
         filtering), ``sampling_rounds``.
         """
-        kept: list[list[tuple[Trajectory, QAExample, tuple[str | None, float]]]] = []
-        first: list[list[tuple[Trajectory, QAExample, tuple[str | None, float]]]] = []
+        kept: list[list[tuple[Trajectory, QAExample, Score]]] = []
+        first: list[list[tuple[Trajectory, QAExample, Score]]] = []
         sampled = with_signal = rounds = 0
         prompts = examples
         while True:
             trajectories = self._generate(module, prompts, training=True)
             per_traj = [prompts[t.prompt_index] for t in trajectories]
             scores = self._score(module, trajectories, per_traj)
-            groups: dict[int, list[tuple[Trajectory, QAExample, tuple[str | None, float]]]] = {}
+            groups: dict[int, list[tuple[Trajectory, QAExample, Score]]] = {}
             for item in zip(trajectories, per_traj, scores):
                 groups.setdefault(item[0].prompt_index, []).append(item)
             rounds += 1
             sampled += len(groups)
-            signal = [g for g in groups.values() if len({reward for _, _, (_, reward) in g}) > 1]
+            signal = [g for g in groups.values() if len({score.reward for _, _, score in g}) > 1]
             with_signal += len(signal)
             first = first or list(groups.values())
             if not self.filter_groups:

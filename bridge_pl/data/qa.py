@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,8 +63,36 @@ MAX_RECORD_CHARS = 1_000_000  # one QA example or passage per line; longer lines
 _ANSWER_FIELDS = ("golden_answers", "answers", "answer")  # first one present wins; see read_qa
 
 
+def _unzipped(path: Path) -> Path:
+    """``path`` without a ``.gz`` suffix (``x.jsonl.gz`` -> ``x.jsonl``), to tell the format of what it holds."""
+    return path.with_suffix("") if path.suffix.lower() == ".gz" else path
+
+
+def _file_text(path: Path) -> str:
+    """The text of a UTF-8 file, gunzipped first when its name ends in ``.gz``.
+
+    Raises:
+        DataFormatError: a damaged gzip file, or a byte that is not UTF-8 (``file:line``, the byte and its offset in
+            the uncompressed text).
+    """
+    raw = path.read_bytes()
+    if path.suffix.lower() == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as err:
+            raise DataFormatError(f"{path}: not a readable gzip file ({err})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise DataFormatError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); save the file as UTF-8"
+        ) from None
+
+
 def _records(path: Path) -> Iterator[tuple[str, Any]]:
-    """Yield ``(location, record)`` for each non-blank record of a jsonl / json-list / parquet file.
+    """Yield ``(location, record)`` for each non-blank record of a jsonl / json-list / parquet file (jsonl and json
+    also gzipped, as ``.jsonl.gz`` / ``.json.gz``).
 
     ``location`` is ``file:line`` for jsonl, ``file:item N`` (0-based) for a ``.json`` list and
     ``file:row N`` (0-based) for parquet.
@@ -80,15 +110,8 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path}:row {i}", row
         return
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw[: err.start].count(b"\n") + 1
-        raise DataFormatError(
-            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); save the file as UTF-8"
-        ) from None
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+    text = _file_text(path)
+    if _unzipped(path).suffix == ".json" and text.lstrip().startswith("["):
         try:
             items = json.loads(text)
         except json.JSONDecodeError as err:
@@ -165,7 +188,8 @@ def read_qa(path: str | Path) -> list[QAExample]:
     string is wrapped; ``answers`` / ``answer`` are accepted as aliases when ``golden_answers`` is
     absent), optional ``id`` (str or number, stringified; default the 0-based record index) and
     optional ``metadata`` (object). Other fields are kept in ``metadata``. Files: ``.jsonl`` (any
-    suffix but the two below; blank lines skipped), ``.json`` holding a list, ``.parquet`` (needs pyarrow).
+    suffix but the two below; blank lines skipped), ``.json`` holding a list, ``.parquet`` (needs pyarrow); jsonl
+    and json may be gzipped (``.jsonl.gz``).
 
     Raises:
         DataFormatError: for any malformed record (the message names ``file:line`` and the field);

@@ -1,10 +1,11 @@
 """One string names a corpus or a QA set (as used in YAML configs); an inline list of records is read too.
 
 Corpora: ``"world"`` / ``"world:SEED"`` (generated), ``"wikipedia"`` (packaged), ``"medrag:PATH"`` (MedRAG chunk
-file or folder), or a corpus file.
+file or folder; ``"medrag:PATH?strict"`` refuses blank rows and repeated ids), or a corpus file.
 QA sets: ``"world/SPLIT"`` / ``"world:SEED/SPLIT"`` (SPLIT in train, dev, test; ``world-mc`` for the world with
 half its questions multiple choice), ``"fanoutqa/sub"``, ``"fanoutqa/top"``, ``"mirage:PATH#SUBSET"`` (one MIRAGE
-subset; ``"mirage:PATH"`` as an evaluation set names all five), or a QA file (jsonl / json / parquet).
+subset; ``"mirage:PATH"`` as an evaluation set names all five), or a QA file (jsonl / json / parquet; MIRAGE's
+``benchmark.json`` named without ``mirage:`` is refused with a hint).
 Inline lists (``corpus: [{id: p1, contents: ...}, ...]`` in YAML) go through the same record checks as a file.
 """
 
@@ -20,12 +21,15 @@ from bridge_pl.data.medical import (
     MEDRAG_PREFIX,
     MIRAGE_PREFIX,
     check_choice_examples,
+    load_medrag,
     load_mirage,
-    read_medrag,
+    looks_like_mirage,
+    mirage_hint,
 )
 from bridge_pl.data.packaged import FANOUTQA_LEVELS, fanoutqa_questions, wikipedia_corpus
 from bridge_pl.data.qa import (
     CorpusSpec,
+    DataFormatError,
     Passage,
     QAExample,
     QASpec,
@@ -38,7 +42,8 @@ from bridge_pl.data.world import MC_SHARE, World, build_world
 
 _WORLD = re.compile(r"world(?::(?P<seed>-?\d+))?")
 _WORLD_QA = re.compile(r"world(?P<mc>-mc)?(?::(?P<seed>-?\d+))?/(?P<split>train|dev|test)")
-CORPUS_FORMS = ('"world"', '"world:SEED"', '"wikipedia"', '"medrag:PATH"', "a corpus .jsonl/.json/.parquet file path")
+CORPUS_FORMS = ('"world"', '"world:SEED"', '"wikipedia"', '"medrag:PATH"', '"medrag:PATH?strict"',
+                "a corpus .jsonl/.json/.parquet file path")
 QA_FORMS = ('"world/SPLIT"', '"world:SEED/SPLIT"', '"world-mc/SPLIT"', "(SPLIT: train, dev, test)",
             *(f'"fanoutqa/{level}"' for level in FANOUTQA_LEVELS), '"mirage:PATH#SUBSET"',
             "a QA .jsonl/.json/.parquet file path")
@@ -81,7 +86,7 @@ def load_corpus(spec: CorpusSpec) -> list[Passage]:
     if spec == "wikipedia":
         return wikipedia_corpus()
     if spec.startswith(MEDRAG_PREFIX):
-        return read_medrag(spec.removeprefix(MEDRAG_PREFIX))
+        return load_medrag(spec)
     path = _file(spec, CORPUS_FORMS, "corpus")
     stat = path.stat()
     return list(_corpus_file(path.resolve(), stat.st_mtime_ns, stat.st_size))
@@ -103,4 +108,10 @@ def load_qa(spec: QASpec) -> list[QAExample]:
         return fanoutqa_questions(spec.removeprefix("fanoutqa/"))
     if spec.startswith(MIRAGE_PREFIX):
         return load_mirage(spec)
-    return check_choice_examples(spec, read_qa(_file(spec, QA_FORMS, "QA set")))
+    path = _file(spec, QA_FORMS, "QA set")
+    try:
+        return check_choice_examples(spec, read_qa(path))
+    except DataFormatError:
+        if looks_like_mirage(path):
+            raise DataFormatError(mirage_hint(spec)) from None
+        raise

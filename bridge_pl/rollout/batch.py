@@ -60,6 +60,15 @@ class RolloutBatch:
     credit_sequences: list[BranchedSequence] = field(default_factory=list)
     # [B, T] float: the generation engine's log-prob of each sampled token (at ``temperature``), 0 elsewhere
     sampler_logprobs: torch.Tensor | None = None
+    # [B]: the option letter the reward read from each multiple-choice answer (None: no option named, or a free-text
+    # question); metrics and predictions files score these letters, never the answers again. Empty: all None.
+    choices: list[str | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices = [None] * self.batch_size
+        if len(self.choices) != self.batch_size:
+            raise ValueError(f"RolloutBatch: {len(self.choices)} choices for {self.batch_size} trajectories")
 
     @property
     def batch_size(self) -> int:
@@ -96,8 +105,10 @@ class RolloutBatch:
         dataset: str = "train",
         sampling: dict[str, float] | None = None,
         temperature: float = 1.0,
+        choices: list[str | None] | None = None,
     ) -> RolloutBatch:
-        """Pad trajectories (from :class:`~bridge_pl.rollout.engine.RolloutEngine`) into a batch."""
+        """Pad trajectories (from :class:`~bridge_pl.rollout.engine.RolloutEngine`) into a batch; ``choices``: the
+        letter each multiple-choice answer was read as (None: all None)."""
         B = len(trajectories)
         T = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
         input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
@@ -149,6 +160,7 @@ class RolloutBatch:
             sampling=dict(sampling or {}),
             temperature=temperature,
             sampler_logprobs=sampler_logprobs if all(t.sampler_logprobs for t in trajectories) else None,
+            choices=list(choices or []),
         )
 
     @classmethod
@@ -212,4 +224,5 @@ class RolloutBatch:
             credit_sequences=joined("credit_sequences"),
             sampler_logprobs=(torch.cat([right_pad(b.sampler_logprobs, T, 0.0) for b in batches])
                               if all(b.sampler_logprobs is not None for b in batches) else None),
+            choices=joined("choices"),
         )

@@ -177,9 +177,8 @@ def finish(run: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
 def rank_one(run: subprocess.Popen) -> int:
     """The pid of rank 1: the process Lightning started from rank 0."""
     children = Path(f"/proc/{run.pid}/task/{run.pid}/children")
-    for _ in range(600):
-        pids = [int(p) for p in children.read_text().split()]
-        if pids:
+    while run.poll() is None:  # rank 0 starts it once its models are loaded
+        if pids := [int(p) for p in children.read_text().split()]:
             return pids[0]
         time.sleep(0.1)
-    raise AssertionError("rank 1 did not start")
+    raise AssertionError(f"rank 0 ended before it started rank 1: {finish(run)[1][-3000:]}")

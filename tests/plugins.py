@@ -120,11 +120,12 @@ class KillAt(L.Callback):
     crash (or a scheduler) would:
 
     ``rollout`` (an env step between two generated turns), ``update`` (an optimizer step, before it applies),
-    ``checkpoint`` (a checkpoint file written to its temp name, not yet renamed into place), ``validation``
-    (a validation batch), ``refresh`` (an index rebuild, before the new index is in place).
+    ``checkpoint`` (a checkpoint file written to its temp name, not yet renamed into place), ``save`` (a checkpoint
+    save starting, sharded ones included), ``validation`` (a validation batch), ``refresh`` (an index rebuild, before
+    the new index is in place). With ``rank``, only that rank's process (``LOCAL_RANK``, on one machine) is hit.
     """
 
-    def __init__(self, point: str, count: int = 1, signal_name: str = "SIGKILL") -> None:
+    def __init__(self, point: str, count: int = 1, signal_name: str = "SIGKILL", rank: int | None = None) -> None:
         self.point, self.count, self.seen = point, count, 0
         self.signum = signal.Signals[signal_name]
         targets = {
@@ -132,8 +133,10 @@ class KillAt(L.Callback):
             "update": (ParamUpdate, "apply_grads"),
             "refresh": (DenseRetriever, "refresh_index"),
             "checkpoint": (os, "replace"),
+            "save": (L.Trainer, "save_checkpoint"),
         }
-        if point in targets:
+        self.armed = rank is None or int(os.environ.get("LOCAL_RANK", 0)) == rank
+        if self.armed and point in targets:
             owner, name = targets[point]
             original = getattr(owner, name)
 
@@ -146,7 +149,7 @@ class KillAt(L.Callback):
 
     def _tick(self) -> None:
         self.seen += 1
-        if self.seen == self.count:
+        if self.armed and self.seen == self.count:
             os.kill(os.getpid(), self.signum)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):

@@ -1,6 +1,6 @@
 """A preempted 2-process ``fsdp2`` run: ``bridge-pl fit`` is started as a user starts it (Lightning launches rank 1
-from it), SIGTERM is sent from outside, as a scheduler sends it, to one rank or to both seconds apart; both ranks
-stop at the same iteration with exit status 143 and one whole checkpoint, and ``--ckpt_path last`` resumes to the
+from it), SIGTERM is sent from outside, as a scheduler sends it, to one rank or to both seconds apart, or reaches
+rank 1 as a checkpoint save begins; both ranks stop at the same iteration with exit status 143 and one whole checkpoint, and ``--ckpt_path last`` resumes to the
 losses and validations of a run that was never stopped.
 """
 
@@ -26,12 +26,12 @@ TWO_RANKS = [
 STOPPED_WITHIN = 120  # seconds from the first signal to both ranks' exit
 
 
-def start(root: Path) -> subprocess.Popen:
+def start(root: Path, *extra: str) -> subprocess.Popen:
     """``bridge-pl fit`` on 2 ranks, logging each iteration's losses to ``root/steps.jsonl``, resuming from
     ``last`` when there is one."""
     return bridge_pl_process("fit", "--config", TINY, f"--trainer.default_root_dir={root}", *TWO_RANKS,
                              "--trainer.callbacks+=plugins.StepLog", f"--trainer.callbacks.path={root / 'steps.jsonl'}",
-                             "--ckpt_path=last")
+                             *extra, "--ckpt_path=last")
 
 
 def wait_for_step(root: Path, step: int, run: subprocess.Popen) -> None:
@@ -55,11 +55,16 @@ def uninterrupted(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("targets", [(1,), (0, 1)], ids=["rank1-alone", "both-ranks-3s-apart"])
+# rank 1's own SIGTERM as its first checkpoint save begins (the end of iteration 1)
+DURING_A_SAVE = ["--trainer.callbacks+=plugins.KillAt", "--trainer.callbacks.point=save",
+                 "--trainer.callbacks.signal_name=SIGTERM", "--trainer.callbacks.rank=1"]
+
+
+@pytest.mark.parametrize("targets", [(1,), (0, 1), ()], ids=["rank1-alone", "both-ranks-3s-apart", "rank1-in-a-save"])
 def test_sigterm_stops_both_ranks_at_one_checkpoint_that_resumes_exactly(tmp_path, uninterrupted, targets):
-    run = start(tmp_path)
+    run = start(tmp_path, *([] if targets else DURING_A_SAVE))
     pids = {0: run.pid, 1: rank_one(run)}
-    wait_for_step(tmp_path, 1, run)  # the signals land in the second iteration
+    wait_for_step(tmp_path, 1, run)  # the outside signals land in the second iteration
     sent = time.monotonic()
     for i, rank in enumerate(targets):
         if i:

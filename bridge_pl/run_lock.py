@@ -2,6 +2,8 @@
 
 The file names its holder (pid, host, start time, command). The operating system drops the lock when the process
 ends, however it ends, so the lock of a killed run is stale by construction: the next run takes it over and says so.
+
+:func:`write_problem` checks, before any model loads, that a run can write where it will write.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +24,28 @@ LOCK_NAME = ".bridge-pl.lock"
 
 class RunDirectoryInUse(RuntimeError):
     """Another live process holds the run directory's lock; the message names it."""
+
+
+class FolderNotWritable(OSError):
+    """A folder a run writes to that does not take files; the message names it and why."""
+
+
+def write_problem(folder: str | Path) -> str | None:
+    """Why files cannot be created in ``folder`` (or, while it does not exist, in the nearest existing folder above
+    it, where it would be created), naming that folder and the reason; None when they can. The check creates an
+    unnamed temp file there (nothing is left behind)."""
+    existing = Path(folder).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot write to {folder}: {existing} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        reason = os.strerror(error.errno).lower() if error.errno else str(error)
+        return f"cannot write to {existing}: {reason}"
+    return None
 
 
 def _describe(holder: dict) -> str:

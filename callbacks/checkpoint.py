@@ -20,6 +20,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from bridge_pl.checkpoint_io import entry_class
+
 
 def validation_follows(trainer: pl.Trainer) -> bool:
     """Whether a validation with at least one batch runs right after the training iteration that just ended.
@@ -35,22 +37,50 @@ def validation_follows(trainer: pl.Trainer) -> bool:
     return not epoch_loop.val_loop.skip
 
 
+def option_problem(keep_last: object, monitor: object) -> str | None:
+    """What is wrong with :class:`ValidatedCheckpoint`'s ``keep_last`` (with its ``monitor``), naming the option and
+    the values it takes; None when it is fine."""
+    if keep_last is None:
+        return None
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        return (f"option keep_last must be an integer >= 1 (the newest N iteration checkpoints kept) or null "
+                f"(ModelCheckpoint's own save_top_k), got {keep_last!r}")
+    if monitor not in (None, "step"):
+        return ("options keep_last and monitor exclude each other (keep_last monitors the step; got "
+                f"monitor={monitor!r})")
+    return None
+
+
+def callback_problems(callbacks: object) -> list[str]:
+    """What is wrong with the options of each :class:`ValidatedCheckpoint` among a parsed config's
+    ``trainer.callbacks`` (class path and init args, before anything is instantiated), naming the option."""
+    entries = callbacks if isinstance(callbacks, (list, tuple)) else [] if callbacks is None else [callbacks]
+    problems = []
+    for index, entry in enumerate(entries):
+        cls = entry_class(entry)
+        if cls is None or not issubclass(cls, ValidatedCheckpoint):
+            continue
+        init_args = getattr(entry, "init_args", None)
+        problem = option_problem(getattr(init_args, "keep_last", None), getattr(init_args, "monitor", None))
+        if problem:
+            problems.append(f"trainer.callbacks[{index}] (ValidatedCheckpoint): {problem}")
+    return problems
+
+
 class ValidatedCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) that saves an iteration followed by a validation after that validation.
 
     Args:
         keep_last: keep the newest N iteration checkpoints (besides ``last.ckpt``), so that a resume finding the
             newest damaged falls back to a whole one (``monitor="step"``, ``mode="max"``, ``save_top_k=N``); None:
-            ``ModelCheckpoint``'s own ``monitor`` / ``save_top_k``.
+            ``ModelCheckpoint``'s own ``monitor`` / ``save_top_k``. The CLI checks it with the other options, before
+            anything loads (:func:`callback_problems`).
     """
 
     def __init__(self, *args, keep_last: int | None = None, **kwargs) -> None:
+        if problem := option_problem(keep_last, kwargs.get("monitor")):
+            raise ValueError(f"ValidatedCheckpoint {problem}")
         if keep_last is not None:
-            if isinstance(keep_last, bool) or keep_last < 1:
-                raise ValueError(f"ValidatedCheckpoint option 'keep_last' must be an integer >= 1, got {keep_last!r}")
-            if kwargs.get("monitor") not in (None, "step"):
-                raise ValueError("ValidatedCheckpoint options 'keep_last' and 'monitor' exclude each other "
-                                 f"(keep_last monitors the step; got monitor={kwargs['monitor']!r})")
             kwargs.update(monitor="step", mode="max", save_top_k=keep_last)
         super().__init__(*args, **kwargs)
 

@@ -5,8 +5,9 @@
 import lightning as L
 import pytest
 import torch
-from helpers import fit_tiny
+from helpers import TINY, fit_tiny
 
+from bridge_pl.cli import main
 from callbacks.checkpoint import ValidatedCheckpoint
 
 COMMON = ("--trainer.max_steps=4", "--trainer.val_check_interval=2", "--data.reward=plugins.DistinctWordsReward")
@@ -47,3 +48,18 @@ def test_without_dev_questions_every_iteration_is_saved_at_its_end(tmp_path):
     checkpoint = ValidatedCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True, save_top_k=0)
     fit_tiny(tmp_path, *COMMON, "--data.val={}", callbacks=(events, checkpoint))
     assert events.events == [("save", 1), ("save", 2), ("save", 3), ("save", 4)]
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_a_keep_last_below_one_is_one_line_naming_the_option_and_its_values(tmp_path, capfd, value):
+    root = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", TINY, f"--trainer.default_root_dir={root}", "--trainer.enable_checkpointing=true",
+              "--trainer.callbacks+=callbacks.checkpoint.ValidatedCheckpoint",
+              f"--trainer.callbacks.keep_last={value}"])
+    err = capfd.readouterr().err
+    assert exit_info.value.code == 2 and not root.exists()
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert errors == [f"error: trainer.callbacks[0] (ValidatedCheckpoint): option keep_last must be an integer >= 1 "
+                      f"(the newest N iteration checkpoints kept) or null (ModelCheckpoint's own save_top_k), got "
+                      f"{value}"], err

@@ -3,11 +3,16 @@ process's (signals, the run-directory lock, exit statuses): a stop on SIGTERM / 
 143 / 130 with a line saying how to resume; a damaged ``last.ckpt`` is named and skipped, and the resumed run ends
 with the weights of an uninterrupted one; a copied run folder continues its ``last.ckpt``; a second run on a
 directory in use stops at once naming the first; a stale lock is taken over; ``--ckpt_path`` to something that is not
-a checkpoint, or one the config does not fit, is one line naming it.
+a checkpoint, or one the config does not fit, is one line naming it; a fit that would start over in a folder holding
+a run is refused; a checkpoint folder that takes no files is named before any model loads, and a disk that fills up
+is named with the checkpoint's path, leaving no partial file. The last two run in a user and mount namespace
+(``unshare``) over a real read-only or tiny tmpfs.
 """
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -136,8 +141,9 @@ def _refused(tmp_path, capfd, *args: str) -> str:
     root = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", TINY, f"--trainer.default_root_dir={root}", *args])
-    err = capfd.readouterr().err
+    out, err = capfd.readouterr()
     assert exit_info.value.code == 1 and "Traceback" not in err
+    assert "Loading weights" not in out + err  # transformers' load progress: refused before any model loads
     return err
 
 
@@ -152,9 +158,14 @@ def test_a_ckpt_path_that_is_not_a_whole_checkpoint_is_named(tmp_path, capfd, un
     shutil.copy(uninterrupted / "checkpoints" / "last.ckpt", damaged)
     shutil.copy(uninterrupted / "checkpoints" / "last.ckpt.b2", tmp_path / "damaged.ckpt.b2")
     damage(damaged)
+    zeroed = tmp_path / "zeroed.ckpt"  # a bridge-pl checkpoint that lost its digest, then 4 KiB of its bytes
+    shutil.copy(uninterrupted / "checkpoints" / "last.ckpt", zeroed)
+    with open(zeroed, "r+b") as f:
+        f.seek(zeroed.stat().st_size // 2)
+        f.write(bytes(4096))
     for path, why in [(not_json, "not a PyTorch checkpoint"), (empty, "not a PyTorch checkpoint"),
                       (cut, "not a readable checkpoint"), (damaged, "damaged: its bytes do not match the digest"),
-                      (tmp_path / "missing.ckpt", "no such file")]:
+                      (zeroed, "damaged: its record "), (tmp_path / "missing.ckpt", "no such file")]:
         lines = [line for line in _refused(tmp_path, capfd, f"--ckpt_path={path}").splitlines()
                  if line.startswith("bridge-pl:")]
         assert len(lines) == 1 and f"--ckpt_path {path}: {why}" in lines[0], lines
@@ -165,6 +176,76 @@ def test_a_resume_whose_config_does_not_fit_names_the_option(tmp_path, capfd, un
     checkpoint = uninterrupted / "checkpoints" / "last.ckpt"
     err = _refused(tmp_path, capfd, f"--ckpt_path={checkpoint}", "--model.policy.init_args.lora_r=8")
     assert f"checkpoint {checkpoint} does not fit this config: model.policy.init_args.lora_r is 8 here, 4 in" in err
+
+
+@pytest.mark.parametrize(("option", "said"), [
+    ("--model.mode=frozen", "model.mode is frozen here, bridge in the checkpoint"),
+    ("--model.policy.init_args.model=tiny-llama-hd32",  # another base model whose LoRA tensors have the same shapes
+     "model.policy.init_args.model is tiny-llama-hd32 here, tiny-llama in the checkpoint"),
+    ("--data.train=world/dev", "data.train is world/dev here, world/train in the checkpoint"),
+])
+def test_a_resume_under_options_that_change_the_run_is_refused_naming_them(tmp_path, capfd, uninterrupted, option,
+                                                                            said):
+    checkpoint = uninterrupted / "checkpoints" / "last.ckpt"
+    lines = [line for line in _refused(tmp_path, capfd, f"--ckpt_path={checkpoint}", option).splitlines()
+             if line.startswith("bridge-pl:")]
+    assert len(lines) == 1 and f"checkpoint {checkpoint} does not fit this config: {said}" in lines[0], lines
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_fit_that_would_start_over_in_a_folder_holding_a_run_is_refused(tmp_path, capfd, uninterrupted):
+    root = tmp_path / "run"
+    shutil.copytree(uninterrupted, root)
+    before = _files(root)
+    elsewhere = tmp_path / "elsewhere.ckpt"
+    shutil.copy(uninterrupted / "checkpoints" / "last.ckpt", elsewhere)
+    for extra, said in [((), ""), ((f"--ckpt_path={elsewhere}",),
+                                   f"; to start from {elsewhere}, use another trainer.default_root_dir")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", TINY, f"--trainer.default_root_dir={root}", *CHECKPOINTS, *extra])
+        out, err = capfd.readouterr()
+        assert exit_info.value.code == 1 and "Loading weights" not in out + err
+        assert (f"bridge-pl: error: ExistingRun: {root} holds a run (last.ckpt at step 2): resume it with "
+                f"--ckpt_path last, or choose another trainer.default_root_dir{said}\n") in err
+    after = _files(root)
+    assert {name: t for name, t in after.items() if name != ".bridge-pl.lock"} == {
+        name: t for name, t in before.items() if name != ".bridge-pl.lock"}  # nothing written: no -v1 copies
+
+
+def _in_mount_namespace(mount: str, folder: Path, command: list[str], listing: Path) -> subprocess.CompletedProcess:
+    """``command`` run as root of a user and mount namespace in which ``folder`` is a fresh tmpfs mounted with
+    ``mount`` options; what ``folder`` holds when it ends is written to ``listing``. Skips when ``unshare`` cannot
+    make the namespace."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare and user namespaces to mount a tmpfs")
+    folder.mkdir(parents=True, exist_ok=True)
+    script = (f"mount -t tmpfs -o {mount} tmpfs {shlex.quote(str(folder))} || exit 99; {shlex.join(command)}; "
+              f"status=$?; ls -A {shlex.quote(str(folder))} > {shlex.quote(str(listing))}; exit $status")
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script], env=ENV, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_read_only_checkpoint_folder_is_named_before_any_model_loads(tmp_path):
+    root, listing = tmp_path / "run", tmp_path / "listing"
+    run = _in_mount_namespace("ro,size=64k", root / "checkpoints", command(root), listing)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-2] == (
+        f"bridge-pl: error: FolderNotWritable: cannot write to {root / 'checkpoints'}: read-only file system "
+        "(the run's checkpoints)")
+    assert "Loading weights" not in run.stdout + run.stderr
+
+
+def test_a_full_disk_names_the_checkpoint_and_leaves_no_partial_file(tmp_path):
+    root, listing = tmp_path / "run", tmp_path / "listing"
+    run = _in_mount_namespace("size=256k", root / "checkpoints", command(root, "--trainer.max_steps=1"), listing)
+    assert run.returncode == 1, run.stderr[-3000:]
+    line = run.stderr.strip().splitlines()[-2]
+    assert re.fullmatch(rf"bridge-pl: error: CheckpointWriteError: could not write {re.escape(str(root))}/checkpoints/"
+                        r"\S+\.ckpt: no space left on device; no partial file was left", line), line
+    assert listing.read_text() == ""  # the tmpfs held nothing after the failed write
 
 
 def test_validate_without_a_checkpoint_warns_that_it_scores_untrained_weights(tmp_path, capfd, uninterrupted):

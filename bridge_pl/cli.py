@@ -23,19 +23,23 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from bridge_pl.bilevel import make_solver
 from bridge_pl.checkpoint_io import (
     AtomicCheckpointIO,
+    check_run_start,
+    checkpoint_folders,
     fit_problem,
-    flat_model_config,
+    flat_run_config,
     is_named,
     resolve_checkpoint,
 )
 from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
 from bridge_pl.data.datamodule import DATA_RULES, RolloutDataModule, data_problems, read_stage_sources
-from bridge_pl.data.prompt_length import vllm_length_problem
+from bridge_pl.data.prompt_length import rollout_problems
 from bridge_pl.data.sources import check_corpus
 from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
 from bridge_pl.module import BridgeModule
-from bridge_pl.run_lock import RunLock
+from bridge_pl.rollout.engine import RolloutAbandoned
+from bridge_pl.run_lock import FolderNotWritable, RunLock, write_problem
 from bridge_pl.signals import StopOnSignal, exit_line
+from callbacks.checkpoint import callback_problems
 
 DEBUG_ENV = "BRIDGE_PL_DEBUG"  # set to 1: errors show their Python traceback
 
@@ -82,6 +86,7 @@ def config_problems(config) -> list[str]:
     problems += group_problems(model)
     if problem := minibatch_problem(config.get("model.rl.minibatches"), config.get("data.n_samples")):
         problems.append(problem)
+    problems += callback_problems(config.get("trainer.callbacks"))
     if not problems and model is not None and model.get("solver") is not None:
         try:
             make_solver(model.get("mode"), SolverConfig(**dict(model.get("solver").items())))
@@ -121,25 +126,41 @@ class BridgeCLI(LightningCLI):
             # an iteration may skip θ's step (no group with signal, a non-finite loss), which plain DDP refuses
             config["trainer.strategy"] = "ddp_find_unused_parameters_true"
         root = Path(config.get("trainer.default_root_dir") or os.getcwd())
+        if self.subcommand is not None and _launching_process():
+            self._check_writable(config, root)
         if self.subcommand is not None and root.is_dir() and _launching_process():
             self._lock_run_directory(root)  # a second run on a directory in use stops here, before any model loads
+        if self.subcommand == "fit" and _launching_process():
+            check_run_start(config)  # continues the run its folder holds; a resume's options fit its checkpoint
         if self.subcommand is not None and config.get("data") is not None:  # QA sets checked before models load
             self._qa_sets = read_stage_sources(self.subcommand, config.get("data"))
-            if problem := vllm_length_problem(config.get("data"), config.get("model.policy.init_args.model"),
-                                              self._qa_sets.values()):
-                raise ValueError(problem)  # the vLLM engine's length, checked from the tokenizer and HF config
+            if problems := rollout_problems(config.get("data"), config.get("model.policy.init_args.model"),
+                                            self._qa_sets.values()):
+                raise ValueError("; ".join(problems))  # budgets and engine against the tokenizer and HF config
         corpus = config.get("model.retriever.init_args.corpus")
         if self.subcommand is not None and config.get("model.retriever.class_path") in _OWN_RETRIEVERS \
                 and corpus is not None:  # None: a built index (index_path) holds the passages, checked when opened
             check_corpus(corpus)  # and the corpus
 
+    def _check_writable(self, config, root: Path) -> None:
+        """Refuse a command whose run directory, or (``fit``) checkpoint folder, does not take files."""
+        folders = {root: "trainer.default_root_dir"}
+        if self.subcommand == "fit" and config.get("trainer.enable_checkpointing") is not False:
+            folders |= {folder: "the run's checkpoints" for folder in checkpoint_folders(config)
+                        if folder not in folders}
+        for folder, role in folders.items():
+            if problem := write_problem(folder):
+                raise FolderNotWritable(f"{problem} ({role})")
+
     def _parse_ckpt_path(self) -> None:
-        # LightningCLI reads an explicit --ckpt_path file here (its hyperparameters): check the file first
+        """Check an explicit ``--ckpt_path`` file. LightningCLI's own step is left out: it would replace the config's
+        model options with the hyperparameters stored in the file, so that a path and ``last`` ran different configs
+        and the options given were dropped without a word; the run-defining ones are compared instead
+        (``check_run_start``)."""
         subcommand = self.config.get("subcommand")
         spec = self.config[subcommand].get("ckpt_path") if subcommand else None
         if spec is not None and not is_named(spec):
             resolve_checkpoint(spec, Path(spec).parent)  # raises CheckpointError naming a damaged or foreign file
-        super()._parse_ckpt_path()
 
     def instantiate_trainer(self, **kwargs):
         # When a command runs, data errors surface before the trainer (and its run directory) exists: the QA sets and
@@ -152,7 +173,7 @@ class BridgeCLI(LightningCLI):
         for callback in trainer.checkpoint_callbacks:  # one fixed place per run dir, so `--ckpt_path last` finds it
             if getattr(callback, "dirpath", "") is None:
                 callback.dirpath = str(Path(trainer.default_root_dir) / "checkpoints")
-        run_config = flat_model_config(self.config[self.subcommand] if self.subcommand else self.config)
+        run_config = flat_run_config(self.config[self.subcommand] if self.subcommand else self.config)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # sharded strategies keep their own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO(run_config)
         if self.subcommand is not None:
@@ -257,7 +278,7 @@ def main(args: list[str] | None = None) -> None:
             index_main(argv[1:])
         else:
             BridgeCLI(args=args, parser_kwargs={"allow_abbrev": False})  # None: LightningCLI reads sys.argv
-    except SIGTERMException as stop:  # Lightning's stop on SIGTERM (and ours on SIGINT) exits without a code
+    except (SIGTERMException, RolloutAbandoned) as stop:  # a stop on SIGTERM, SIGINT or SIGHUP, without a code
         line, status = exit_line(stop, argv)
         if _launching_process():  # every rank stops at the same iteration; one says so
             sys.stderr.write(line + "\n")

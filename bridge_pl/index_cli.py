@@ -4,12 +4,59 @@ point at (``model.retriever.init_args.index_path``). See docs/retrieval_index.md
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 
 import torch
 
 from bridge_pl.retrieval.index import KIND_OPTIONS, IndexKind
 
 KINDS = IndexKind.__args__
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
+class BuildStopped(BaseException):
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) during ``index build``, raised where the build then is."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """While active (in the main thread), a stop signal raises :class:`BuildStopped` at once: any point of a build is
+    a safe one, since each file is written to a temp file that is renamed into place or, on the way out, removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame) -> None:
+        raise BuildStopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def stopped_line(out: str, signum: int, argv: list[str]) -> str:
+    """The line that ends a build stopped by ``signum``: what ``out`` keeps and the command that resumes it."""
+    from bridge_pl.retrieval.built_index import kept_files
+
+    name = signal.Signals(signum).name
+    rerun = shlex.join(["bridge-pl", "index", *argv])
+    kept = kept_files(out)
+    if kept is None:
+        return f"bridge-pl: index build stopped by {name} before it wrote anything; start it again with: {rerun}"
+    return (f"bridge-pl: index build stopped by {name}; {out} keeps {kept} (a rerun checks them against their "
+            f"digests and does not redo them); resume with: {rerun}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,12 +105,13 @@ def _index_options(args: argparse.Namespace) -> dict:
 def build_main(args: argparse.Namespace) -> None:
     from bridge_pl.data.sources import load_corpus
     from bridge_pl.models import load_encoder, load_tokenizer
-    from bridge_pl.retrieval.built_index import EncoderSettings, build_index
+    from bridge_pl.retrieval.built_index import EncoderSettings, build_index, check_out_folder
     from bridge_pl.retrieval.dense import EncoderTower, corpus_hash, encode_by_length
 
     options = _index_options(args)  # option errors before anything loads
     if args.max_passage_length < 1 or args.batch_size < 1:
         raise ValueError("index build options '--max-passage-length' and '--batch-size' must be >= 1")
+    check_out_folder(args.out)  # a folder holding other files is refused before anything loads
     passages = load_corpus(args.corpus)
     if not passages:
         raise ValueError(f"corpus {args.corpus!r} has no passages")
@@ -85,7 +133,12 @@ def index_main(argv: list[str]) -> None:
     """``bridge-pl index build|info``."""
     args = _parser().parse_args(argv)
     if args.command == "build":
-        build_main(args)
+        try:
+            with stopped_by_signals():
+                build_main(args)
+        except BuildStopped as stop:
+            sys.stderr.write(stopped_line(args.out, stop.signum, argv) + "\n")
+            raise SystemExit(128 + stop.signum) from None
     else:
         from bridge_pl.retrieval.built_index import index_info
 

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT (Ctrl-C): stop at the end of the iteration in progress, checkpoint it, exit 143 / 130.
+"""SIGTERM, SIGINT (Ctrl-C) and SIGHUP: stop at the next safe point, exit 143 / 130 / 129 naming the checkpoint.
 
 Lightning notes a SIGTERM and stops its loops at the next batch boundary by raising ``SIGTERMException`` (a
 ``SystemExit`` without a code, which would read as success); :class:`StopOnSignal` routes SIGINT the same way, saves
@@ -7,16 +7,24 @@ to print and which status to exit with. An iteration that a validation follows i
 (a resume would skip it, as ``callbacks.ValidatedCheckpoint`` explains): the run then stops at the newest whole
 checkpoint, and a resume redoes the iteration. A second Ctrl-C stops at once, without a checkpoint.
 
+A rollout in progress is abandoned at its next turn or decode step (``bridge_pl.rollout.engine.STOP_ROLLOUT``, which
+raises ``RolloutAbandoned``), so that a long one does not hold up the stop: in a single-process run on the first
+signal, with several processes on a second one (below). The iteration it belonged to is not saved; the run stops at
+the newest whole checkpoint, which the exit line names, and a resume redoes that iteration.
+
 With several processes the ranks decide together: a signal only marks the rank that got it, and at each iteration's
 end (and after each validation) the ranks reduce their marks, so a signal that reaches one rank, or the ranks at
 different moments, stops every rank at the same iteration with the same checkpoint. A validation is not cut short
 (ranks may hold different numbers of evaluation batches, so there is no earlier point they all pass): a signal
 before or during one stops the run when it ends, after the checkpoint callbacks have saved its iteration; a
-``validate`` or ``test`` command then exits as stopped.
+``validate`` or ``test`` command then exits as stopped. A rank that abandoned a rollout would leave the others
+waiting for it at their next collective, so the first signal never does: only a second SIGTERM or SIGHUP abandons the
+rollout in progress, on the rank it reaches (send it to every rank, as a terminal's Ctrl-C and a scheduler do).
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -28,16 +36,19 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from bridge_pl.checkpoint_io import checkpoint_problem, newest_first
 from bridge_pl.distributed import max_across_ranks
+from bridge_pl.rollout.engine import STOP_ROLLOUT, RolloutAbandoned
 from callbacks.checkpoint import validation_follows
 
-_HANDLED = (signal.SIGTERM, signal.SIGINT)
+_HANDLED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 
 
 class StopOnSignal(pl.Callback):
-    """Turns SIGTERM / SIGINT into a stop at the next iteration boundary with a checkpoint (see the module doc)."""
+    """Turns SIGTERM / SIGINT / SIGHUP into a stop at the next iteration boundary with a checkpoint, or at the
+    rollout in progress's next turn without one (see the module doc)."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        self.signum: int | None = None  # the signal that stops the run (this rank's, or another's once agreed)
+        self.received = 0  # signals this process got
         self.saved: Path | None = None
         self._trainer: pl.Trainer | None = None
         self._previous: dict[int, object] = {}
@@ -48,6 +59,7 @@ class StopOnSignal(pl.Callback):
         if self._previous:
             return
         self._trainer = trainer
+        STOP_ROLLOUT.clear()
         for signum in _HANDLED:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handle)
@@ -69,13 +81,25 @@ class StopOnSignal(pl.Callback):
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, handler)
         self._previous = {}
+        STOP_ROLLOUT.clear()
 
     def _handle(self, signum: int, frame) -> None:
-        if signum == signal.SIGINT and self.signum is not None:  # a second Ctrl-C: stop now
+        self.received += 1
+        second = self.received > 1
+        if signum == signal.SIGINT and second:  # a second Ctrl-C: stop now
             sys.stderr.write("bridge-pl: interrupted again (Ctrl-C): stopped at once, nothing more was saved\n")
             raise SystemExit(128 + signum)
         self.signum = self.signum or signum
-        if self._trainer is None or self._trainer.world_size > 1:
+        if self._trainer is None:
+            return
+        alone = self._trainer.world_size == 1
+        if alone or second:
+            STOP_ROLLOUT.request(self.signum)  # the rollout in progress ends at its next turn or decode step
+        if not second:
+            _say(f"got {signal.Signals(signum).name}: " + (
+                "stopping at the next safe point (a rollout in progress ends at its next step)" if alone else
+                "every rank stops when this iteration ends (a second signal abandons the rollout in progress)"))
+        if not alone:
             return  # the ranks decide together (_agree); Lightning's handler would run a collective in here
         previous = self._previous.get(signum)
         if signum == signal.SIGTERM and callable(previous):
@@ -121,7 +145,7 @@ class StopOnSignal(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module, exception: BaseException) -> None:
         self._restore()  # Lightning skips the callbacks' teardown after an exception
-        if isinstance(exception, SIGTERMException):
+        if isinstance(exception, (SIGTERMException, RolloutAbandoned)):
             exception.signum = self.signum or signal.SIGTERM
             exception.checkpoint = self.saved or self._newest_whole(trainer)
             exception.checkpointing = trainer.checkpoint_callback is not None
@@ -136,7 +160,13 @@ class StopOnSignal(pl.Callback):
         return next((p for p in newest_first(folder) if checkpoint_problem(p) is None), None)
 
 
-def exit_line(stop: SIGTERMException, argv: list[str]) -> tuple[str, int]:
+def _say(message: str) -> None:
+    """Write ``bridge-pl: message`` to stderr from a signal handler (unbuffered: the handler may interrupt a write
+    to the buffered stream)."""
+    os.write(2, f"bridge-pl: {message}\n".encode())
+
+
+def exit_line(stop: SIGTERMException | RolloutAbandoned, argv: list[str]) -> tuple[str, int]:
     """``(the one line to print, the exit status 128 + signal number)`` for a run stopped by a signal."""
     signum = getattr(stop, "signum", signal.SIGTERM)
     name = signal.Signals(signum).name

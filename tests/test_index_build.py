@@ -1,5 +1,7 @@
-"""On-disk index: the stores, ``bridge-pl index build`` (resume after ``kill -9``), ``index info``, bad input,
-training with a prebuilt ``ivf_pq`` index, and two fsdp2 processes sharing one index file.
+"""On-disk index: the stores, ``bridge-pl index build`` (resume after ``kill -9``; a stop signal's line; an ``--out``
+folder holding other files refused, none of them touched), ``index info``, bad input (damaged manifests, a damaged
+``index.faiss`` refused at open), training with a prebuilt ``ivf_pq`` index, and two fsdp2 processes sharing one
+index file.
 
 The 2-process fit runs this file as a script (Lightning re-launches it as rank 1), as tests/test_fsdp2.py does.
 """
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import fit_tiny, searching, tiny_cli
+from helpers import TINY, bridge_pl_process, finish, fit_tiny, searching, tiny_cli
 
 from bridge_pl.cli import main
 from bridge_pl.data.packaged import wikipedia_corpus
@@ -39,6 +41,17 @@ BUILD = ["index", "build", "--corpus", "world", "--encoder", "tiny-bert", "--kin
 
 def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "manifest.json"}
+
+
+def _copy(folder: Path, to: Path) -> Path:
+    to.mkdir(parents=True)
+    for path in folder.iterdir():
+        (to / path.name).write_bytes(path.read_bytes())
+    return to
+
+
+def _error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("bridge-pl: error:")]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +113,9 @@ def test_index_build_resumes_after_kill_9_and_equals_an_uninterrupted_build(worl
     proc.wait()
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("emb-*.f16")}
     assert not (out / INDEX_FILE).exists() and 2 <= len(kept) < 10
-    # A kill inside a file write leaves a temp file; one between a shard and its digest, a shard without one.
-    (out / "emb-00009.f16.123.tmp").write_bytes(b"torn")
+    # A kill inside a file write leaves a temp file (atomic_write's name: <file>.<8 random characters>.tmp); one
+    # between a shard and its digest, a shard without one.
+    (out / "emb-00009.f16.u1_x7k3q.tmp").write_bytes(b"torn")
     last = max(kept)
     Path(str(out / last) + ".b2").unlink()
     main([*BUILD, "--out", str(out)])
@@ -249,3 +263,130 @@ def _two_process_fit(out: Path, index: Path) -> None:
 
 if __name__ == "__main__":
     _two_process_fit(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+def _build_until_two_shards(out: Path) -> subprocess.Popen:
+    """``bridge-pl index build`` started as a user starts it, one passage per forward, once two shards are done."""
+    run = bridge_pl_process(*BUILD, "--out", str(out), "--batch-size", "1")
+    deadline = time.monotonic() + 120
+    while not Path(str(shard_path(out, 1)) + ".b2").exists():
+        assert run.poll() is None, finish(run)[1][-3000:]
+        assert time.monotonic() < deadline, "the build wrote no shard in 120 s"
+        time.sleep(0.005)
+    return run
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_during_index_build_says_what_was_kept_and_how_to_resume(world_index, tmp_path, name):
+    out = tmp_path / "stopped"
+    run = _build_until_two_shards(out)
+    run.send_signal(signal.Signals[name])
+    status, output = finish(run, timeout=120)
+    assert status == 128 + signal.Signals[name], output[-3000:]
+    line = output.strip().splitlines()[-1]
+    kept = len(list(out.glob("emb-*.f16.b2")))
+    assert line.startswith(f"bridge-pl: index build stopped by {name}; {out} keeps the passage text store, "
+                           f"{kept} of 10 embedding shards (")
+    assert kept >= 2 and not list(out.glob("*.tmp"))  # the file being written when it stopped is gone
+    rerun = line.split("; resume with: ")[1]
+    assert rerun == f"bridge-pl {' '.join(BUILD)} --out {out} --batch-size 1"
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("emb-*.f16") if Path(f"{p}.b2").exists()}
+    main(rerun.split()[1:])
+    assert {name: (out / name).stat().st_mtime_ns for name in finished} == finished  # kept, not redone
+    assert BuiltIndex(out).index.ntotal == 1844
+
+
+def test_build_refuses_an_out_folder_holding_other_files_and_touches_none(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    theirs = {"notes.txt": b"keep me", "draft.tmp": b"a temp file of another program", "passages.jsonl": b"[]\n"}
+    for name, data in theirs.items():
+        (out / name).write_bytes(data)
+    with pytest.raises(SystemExit) as exit_:
+        main([*BUILD, "--out", str(out)])
+    (error,) = _error_lines(capsys)
+    assert exit_.value.code == 1
+    assert f"--out {out} holds files that are not part of a bridge-pl index build (draft.tmp, notes.txt, " \
+           "passages.jsonl) and no manifest.json; give a new or empty folder" in error
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == theirs
+
+
+def test_build_into_a_finished_build_with_a_foreign_file_refuses_and_keeps_it(world_index, tmp_path, capsys):
+    out = _copy(world_index, tmp_path / "copy")
+    (out / "results.tmp").write_text("someone's")
+    with pytest.raises(SystemExit):
+        main([*BUILD, "--out", str(out)])
+    (error,) = _error_lines(capsys)
+    assert "(results.tmp); give a new or empty folder" in error
+    assert (out / "results.tmp").read_text() == "someone's"
+
+
+def test_build_refuses_another_corpus_before_touching_the_folder(world_index, tmp_path, capsys):
+    """A folder that holds a build of another corpus, with a temp file of that build's: refused, the temp file kept."""
+    out = _copy(world_index, tmp_path / "copy")
+    torn = out / "emb-00003.f16.k2x9_q0a.tmp"
+    torn.write_bytes(b"torn")
+    corpus = tmp_path / "other.jsonl"
+    write_corpus(corpus, wikipedia_corpus()[:100])
+    args = [*BUILD, "--out", str(out)]
+    args[args.index("world")] = str(corpus)
+    with pytest.raises(SystemExit):
+        main(args)
+    (error,) = _error_lines(capsys)
+    assert f"{out}: holds a build with another corpus" in error and torn.read_bytes() == b"torn"
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda m: [m], "manifest.json holds a JSON list, not an object"),
+    (lambda m: {k: v for k, v in m.items() if k != "passages"}, "manifest.json lacks 'passages'"),
+    (lambda m: {**m, "chunk_rows": 0}, "manifest.json holds 'chunk_rows' = 0, expected a whole number >= 1"),
+    (lambda m: {**m, "encoder": {k: v for k, v in m["encoder"].items() if k != "fingerprint"}},
+     "manifest.json lacks encoder 'fingerprint'"),
+    (lambda m: {**m, "index": {**m["index"], "kind": "lsh"}}, "manifest.json holds index kind 'lsh'"),
+    (lambda m: {**m, "index": ["ivf_pq"]}, "manifest.json holds 'index' = ['ivf_pq'], expected an object"),
+], ids=["a-list", "no-passages", "chunk-rows-0", "no-encoder-fingerprint", "unknown-kind", "index-a-list"])
+def test_a_damaged_manifest_is_named_in_one_line(world_index, tmp_path, capsys, damage, problem):
+    folder = _copy(world_index, tmp_path / "copy")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(damage(manifest)))
+    want = f"damaged index folder {folder}: {problem}"
+    with pytest.raises(StoreError, match="rebuild with `bridge-pl index build`") as error:
+        BuiltIndex(folder)
+    assert str(error.value).startswith(want)
+    with pytest.raises(SystemExit) as exit_:
+        main(["index", "info", str(folder)])
+    (line,) = _error_lines(capsys)
+    assert exit_.value.code == 1 and want in line
+
+
+def _zero(path: Path, at: int, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes(size))
+
+
+def test_a_damaged_index_file_is_refused_when_opened_and_a_rerun_rebuilds_it(world_index, tmp_path, capsys):
+    folder = _copy(world_index, tmp_path / "copy")
+    index = folder / INDEX_FILE
+    _zero(index, index.stat().st_size // 2 - 4096, 8192)  # 8 KiB zeroed: same size, FAISS reads it
+    main(["index", "info", str(folder), "--verify"])
+    assert "damaged or missing: index.faiss" in capsys.readouterr().out
+    with pytest.raises(StoreError) as error:
+        BuiltIndex(folder)
+    assert str(error.value) == (
+        f"{index} is damaged (its bytes do not match index.faiss.b2); rebuild it by rerunning its `bridge-pl index "
+        f"build` command (the embeddings are kept), and see `bridge-pl index info {folder} --verify` for the other "
+        "files")
+    with pytest.raises(SystemExit) as exit_:  # what a training run does with it
+        main(["fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path / 'fit'}",
+              f"--model.retriever.init_args.index_path={folder}", "--model.retriever.init_args.corpus=null"])
+    (line,) = _error_lines(capsys)
+    assert exit_.value.code == 1 and f"{index} is damaged" in line
+    shards = {p.name: p.stat().st_mtime_ns for p in folder.glob("emb-*.f16")}
+    main([*BUILD, "--out", str(folder)])
+    assert _files(folder) == _files(world_index)
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("emb-*.f16")} == shards  # only the index rebuilt
+    (folder / "index.faiss.b2").unlink()
+    with pytest.raises(StoreError, match="index.faiss has no digest"):
+        BuiltIndex(folder)

@@ -1,7 +1,7 @@
 """A preempted 2-process ``fsdp2`` run: ``bridge-pl fit`` is started as a user starts it (Lightning launches rank 1
-from it), SIGTERM is sent from outside, as a scheduler sends it, to one rank or to both seconds apart, or reaches
-rank 1 as a checkpoint save begins; both ranks stop at the same iteration with exit status 143 and one whole checkpoint, and ``--ckpt_path last`` resumes to the
-losses and validations of a run that was never stopped.
+from it), and SIGTERM is sent from outside, as a scheduler sends it, to one rank or to both seconds apart, or
+reaches rank 1 as a checkpoint save begins. Both ranks stop at the same iteration with exit status 143 and one
+whole checkpoint, and ``--ckpt_path last`` resumes to the losses and validations of a run never stopped.
 """
 
 import json

@@ -1,16 +1,22 @@
-"""Whether the vLLM engine's length holds every prompt plus a whole response, checked before any model loads.
-
-vLLM serves sequences of at most ``max_model_len`` tokens. A turn whose prompt plus budget passes it is cut short
-without notice, and the next turn's prompt (the row's ids so far) is then longer than the limit, which vLLM
-refuses mid-run. A trajectory grows to its prompt plus ``data.max_response_tokens`` at most, so a config whose
-longest prompt plus that exceeds the engine's length is refused up front (:func:`vllm_length_problem`). Only the
+"""Whether a run's rollouts fit its policy, checked before any model loads (:func:`rollout_problems`): only the
 tokenizer and the model's Hugging Face config are read (no weights).
+
+- The model's context. A trajectory grows to its prompt plus ``data.max_response_tokens`` at most. Past the policy's
+  ``max_position_embeddings`` the model runs at positions it was never trained on (or has no embedding for), and a
+  budget far beyond it lets one rollout run for hours. Checked for every engine.
+- The vLLM engine's length. vLLM serves sequences of at most ``max_model_len`` tokens. A turn whose prompt plus
+  budget passes it is cut short without notice, and the next turn's prompt (the row's ids so far) is then longer than
+  the limit, which vLLM refuses mid-run. Checked when vLLM may generate (:func:`length_problem`).
+- vLLM's CPU attention kernels, which need heads at least :data:`VLLM_CPU_MIN_HEAD_DIM` wide: checked for
+  ``data.engine=vllm`` without CUDA (``auto`` falls back to ``hf`` by itself).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 from bridge_pl.data.datamodule import RolloutDataModule, options_text
 from bridge_pl.data.qa import QAExample
@@ -21,6 +27,10 @@ from bridge_pl.rollout.vllm_engine import DEFAULT_MAX_MODEL_LEN, engine_max_mode
 # Tokens by which the length of a prompt may differ from the template's plus its question's (and options'): a token
 # merged across a seam between template and question text, at most one per side of each seam, kept generous.
 SEAM_SLACK = 8
+# The narrowest attention head vLLM's CPU attention backend takes (its supported head sizes start at 32).
+VLLM_CPU_MIN_HEAD_DIM = 32
+# Hugging Face config attributes that hold a model's context length, by architecture, the first one set wins.
+_CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def length_problem(longest_prompt: int, max_response_tokens: int, max_model_len: int, derived: bool) -> str | None:
@@ -74,24 +84,81 @@ def _prompt_builder(data: Mapping[str, Any]) -> RolloutDataModule:
                              use_chat_template=data["use_chat_template"])
 
 
-def vllm_length_problem(data: Mapping[str, Any], model: str | None, sets: Iterable[list[QAExample]]) -> str | None:
-    """The :func:`length_problem` of a run's datamodule settings ``data`` (the parsed ``data`` options), its policy
-    ``model`` (``model.policy.init_args.model``) and the QA sets it reads (``sets``, evaluation sets whole), or None.
+def model_context(hf_config) -> int | None:
+    """The longest sequence the model takes, in tokens, from its Hugging Face config (``max_position_embeddings`` or
+    its equivalent); None when the config names none."""
+    for name in _CONTEXT_ATTRIBUTES:
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
-    Checked when the vLLM backend may generate: ``data.engine=vllm``, or ``auto`` wherever vLLM imports (whatever
-    the number of processes, and even if vLLM would then turn out unable to run the policy); never for ``hf``.
-    """
-    engine = data["engine"]
-    if model is None or engine == "hf" or (engine == "auto" and not vllm_available()):
+
+def context_problem(longest_prompt: int, max_response_tokens: int, context: int, model: str) -> str | None:
+    """One line saying that ``longest_prompt + max_response_tokens`` exceeds the policy ``model``'s ``context``,
+    naming the option to change; None when it fits."""
+    needed = longest_prompt + max_response_tokens
+    if needed <= context:
         return None
-    from transformers import AutoConfig
+    limit = f"the policy's context ({context} tokens: max_position_embeddings of {model})"
+    if longest_prompt >= context:
+        return (f"the longest prompt ({longest_prompt} tokens) does not fit {limit}; shorten data.instruction or the "
+                "questions, or use a model with a longer context")
+    return (f"data.max_response_tokens ({max_response_tokens}) plus the longest prompt ({longest_prompt} tokens) is "
+            f"{needed} tokens, more than {limit}; set data.max_response_tokens to at most {context - longest_prompt}")
 
-    tokenizer = load_tokenizer(model)
+
+def head_dim(hf_config) -> int | None:
+    """The width of the model's attention heads (``head_dim``, else ``hidden_size / num_attention_heads``); None
+    when the config gives neither."""
+    width = getattr(hf_config, "head_dim", None)
+    if isinstance(width, int) and width > 0:
+        return width
+    hidden, heads = getattr(hf_config, "hidden_size", None), getattr(hf_config, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+
+
+def vllm_cpu_problem(hf_config, model: str) -> str | None:
+    """One line saying that vLLM's CPU attention cannot run ``model`` (heads narrower than
+    :data:`VLLM_CPU_MIN_HEAD_DIM`), naming ``data.engine`` and the fix; None when it can or the width is unknown."""
+    width = head_dim(hf_config)
+    if width is None or width >= VLLM_CPU_MIN_HEAD_DIM:
+        return None
+    return (f"data.engine=vllm cannot run {model} without CUDA: vLLM's CPU attention needs heads at least "
+            f"{VLLM_CPU_MIN_HEAD_DIM} wide, {model}'s are {width}; set data.engine=hf (or auto, which uses hf where "
+            "vLLM cannot run the policy)")
+
+
+def _vllm_length_problem(data: Mapping[str, Any], hf_config, longest: int) -> str | None:
+    """The :func:`length_problem` of the vLLM engine that ``data`` (the parsed ``data`` options) configures."""
     max_model_len = getattr(data.get("vllm"), "max_model_len", None)
-    limit = engine_max_model_len(max_model_len, AutoConfig.from_pretrained(resolve_model(model)))
-    examples = [ex for examples in sets for ex in examples]
-    problem = length_problem(longest_prompt(_prompt_builder(data), tokenizer, examples),
-                             data["max_response_tokens"], limit, derived=max_model_len is None)
-    if problem is not None and engine == "auto":
+    limit = engine_max_model_len(max_model_len, hf_config)
+    problem = length_problem(longest, data["max_response_tokens"], limit, derived=max_model_len is None)
+    if problem is not None and data["engine"] == "auto":
         problem += " (data.engine=auto generates with vLLM where it imports; data.engine=hf does not use it)"
     return problem
+
+
+def rollout_problems(data: Mapping[str, Any], model: str | None, sets: Iterable[list[QAExample]]) -> list[str]:
+    """What keeps a run's rollouts from fitting its policy (see the module docstring), as one-line messages naming
+    the options; empty when they fit. ``data``: the parsed ``data`` options; ``model``:
+    ``model.policy.init_args.model`` (None: not checked); ``sets``: the QA sets the run reads (evaluation sets whole).
+
+    vLLM's length is checked where the vLLM backend may generate: ``data.engine=vllm``, or ``auto`` wherever vLLM
+    imports (whatever the number of processes, and even if vLLM would then turn out unable to run the policy).
+    """
+    if model is None:
+        return []
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(resolve_model(model))
+    engine = data["engine"]
+    kernels = vllm_cpu_problem(hf_config, model) if engine == "vllm" and not torch.cuda.is_available() else None
+    longest = longest_prompt(_prompt_builder(data), load_tokenizer(model), [ex for s in sets for ex in s])
+    length = None
+    if engine == "vllm" or (engine == "auto" and vllm_available()):
+        length = _vllm_length_problem(data, hf_config, longest)
+    context = model_context(hf_config)
+    if length is None and context is not None:  # vLLM's length, when too short, says enough
+        length = context_problem(longest, data["max_response_tokens"], context, model)
+    return [problem for problem in (kernels, length) if problem is not None]

@@ -9,12 +9,20 @@ Folder layout (all files written to a temp file and renamed, each with a ``<file
     index.faiss               the FAISS index (``faiss.write_index``), opened memory-mapped
 
 The build is resumable: a shard whose digest matches is kept and skipped, so a build killed at any point
-(``kill -9`` included) redoes at most the shard it was writing and the index training.
+(``kill -9`` included) redoes at most the shard it was writing and the index training. It writes only into an empty
+folder or one that holds its own files (:func:`check_out_folder`), and deletes no file but the temp files it writes
+through (``<file>.<8 random characters>.tmp``, left by a build killed while writing).
+
+Opening a folder (:class:`BuiltIndex`) checks the manifest's fields and ``index.faiss`` against its digest (the
+file FAISS maps has no check of its own); the text store and the shards are checked by their sizes there, and
+against their digests by the build's resume and ``bridge-pl index info --verify``.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +34,7 @@ import numpy as np
 import torch
 
 from bridge_pl.data.qa import Passage
-from bridge_pl.files import atomic_write, is_verified
+from bridge_pl.files import atomic_write, digest_path, file_digest, is_verified
 from bridge_pl.retrieval.index import KIND_OPTIONS, DenseIndex, StaleIndexError, default_nlist
 from bridge_pl.retrieval.store import (
     OFFSETS_FILE,
@@ -113,7 +121,48 @@ class Progress:
             self._bar.close()
 
 
-def _read_manifest(folder: Path) -> dict:
+REBUILD = "rebuild with `bridge-pl index build`"
+_FIELDS = {"format": str, "corpus": str, "corpus_fingerprint": str, "passages": int, "encoder": dict, "dim": int,
+           "chunk_rows": int}
+_ENCODER_FIELDS = {"name": str, "pooling": str, "normalize": bool, "passage_prefix": str, "max_passage_length": int,
+                   "fingerprint": str}
+_INDEX_SETTINGS = set(inspect.signature(DenseIndex).parameters) - {"device"}
+
+
+def _field_problem(record: dict, fields: dict[str, type], where: str) -> str | None:
+    """The first of ``fields`` (name -> type) that ``record`` lacks or holds with another type (an ``int`` field
+    must be a whole number >= 1), as ``"<where>'name' ..."``; else None."""
+    for name, kind in fields.items():
+        if name not in record:
+            return f"lacks {where}{name!r}"
+        value = record[name]
+        wrong = not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 1))
+        if wrong:
+            want = "a whole number >= 1" if kind is int else f"a {kind.__name__}"
+            return f"holds {where}{name!r} = {value!r}, expected {want}"
+    return None
+
+
+def _manifest_problem(manifest: object) -> str | None:
+    """What makes ``manifest`` (a parsed manifest.json of this format) unusable, or None."""
+    if not isinstance(manifest, dict):
+        return f"holds a JSON {type(manifest).__name__}, not an object"
+    problem = _field_problem(manifest, _FIELDS, "")
+    problem = problem or _field_problem(manifest["encoder"], _ENCODER_FIELDS, "encoder ")
+    for key in ("index_request", "index"):
+        if problem is None and key in manifest and not isinstance(manifest[key], dict):
+            problem = f"holds {key!r} = {manifest[key]!r}, expected an object"
+    index = manifest.get("index")
+    if problem is None and index is not None:
+        if index.get("kind") not in KIND_OPTIONS:
+            problem = f"holds index kind {index.get('kind')!r}, expected one of {sorted(KIND_OPTIONS)}"
+        elif unknown := sorted(set(index) - _INDEX_SETTINGS):
+            problem = f"holds unknown index settings {unknown}"
+    return problem
+
+
+def _read_manifest(folder: Path, remedy: str = REBUILD) -> dict:
+    """``folder``'s manifest, checked (a :class:`StoreError` naming the folder and ``remedy`` when it is damaged)."""
     path = folder / MANIFEST_FILE
     if not path.is_file():
         raise StoreError(f"{folder}: not a built index ({MANIFEST_FILE} is missing); build it with "
@@ -121,14 +170,52 @@ def _read_manifest(folder: Path) -> dict:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise StoreError(f"{path}: unreadable manifest ({error})") from None
-    if manifest.get("format") != FORMAT:
+        raise StoreError(f"damaged index folder {folder}: {MANIFEST_FILE} is not JSON ({error}); {remedy}") from None
+    if isinstance(manifest, dict) and manifest.get("format", FORMAT) != FORMAT:
         raise StoreError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if problem := _manifest_problem(manifest):
+        raise StoreError(f"damaged index folder {folder}: {MANIFEST_FILE} {problem}; {remedy}")
     return manifest
 
 
 def _write_manifest(folder: Path, manifest: dict) -> None:
     atomic_write(folder / MANIFEST_FILE, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+
+
+ANOTHER_OUT = "give another --out folder or delete this one"
+# The files a build writes, their digests, and the temp files it writes them through (``tempfile.mkstemp``'s names:
+# ``<file>.<8 random characters>.tmp``, see ``bridge_pl.files.atomic_write``).
+_OWN_FILE = re.compile(r"(manifest\.json|passages\.jsonl|passages\.offsets\.npy|index\.faiss|emb-\d{5,}\.f16)"
+                       r"(\.b2)?(?P<temp>\.[a-z0-9_]{8}\.tmp)?")
+_LISTED = 3  # foreign files a refusal names
+
+
+def _own_files(folder: Path, temp: bool) -> list[str]:
+    """The names in ``folder`` that a build writes: its temp files (``temp``) or its other files."""
+    matches = (_OWN_FILE.fullmatch(p.name) for p in folder.iterdir() if p.is_file())
+    return sorted(m.string for m in matches if m is not None and bool(m.group("temp")) == temp)
+
+
+def check_out_folder(folder: str | Path) -> None:
+    """Refuse (``ValueError``, one line naming the folder and a few of the files) an ``--out`` folder that holds
+    anything but a build's own files: any file when it holds no ``manifest.json`` (a build writes that first),
+    except the temp files of a build killed while writing it. A missing or empty folder is fine."""
+    folder = Path(folder)
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise ValueError(f"index build: --out {folder} is a file, not a folder; give a new or empty folder")
+    names = sorted(p.name for p in folder.iterdir())
+    own = set(_own_files(folder, temp=True))
+    if MANIFEST_FILE in names:
+        own |= set(_own_files(folder, temp=False))
+    foreign = [name for name in names if name not in own]
+    if foreign:
+        more = len(foreign) - _LISTED
+        listed = ", ".join(foreign[:_LISTED]) + (f" and {more} more" if more > 0 else "")
+        unmarked = "" if MANIFEST_FILE in names else f" and no {MANIFEST_FILE}"
+        raise ValueError(f"index build: --out {folder} holds files that are not part of a bridge-pl index build "
+                         f"({listed}){unmarked}; give a new or empty folder")
 
 
 def index_fingerprint(manifest: dict) -> str:
@@ -187,19 +274,20 @@ def build_index(
         chunk_rows: passages per embedding shard (the unit of resumption).
     """
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
     if chunk_rows < 1:
         raise ValueError(f"index build option '--chunk-size' must be >= 1, got {chunk_rows}")
+    check_out_folder(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     corpus = {"format": FORMAT, "corpus": corpus_spec, "corpus_fingerprint": corpus_fingerprint,
               "passages": len(passages), "encoder": {**asdict(encoder), "fingerprint": encoder_fingerprint},
               "dim": dim, "chunk_rows": chunk_rows}
-    for torn in folder.glob("*.tmp"):  # left by a build killed while writing a file
-        torn.unlink(missing_ok=True)
-    manifest = _read_manifest(folder) if (folder / MANIFEST_FILE).exists() else {}
+    manifest = _read_manifest(folder, ANOTHER_OUT) if (folder / MANIFEST_FILE).exists() else {}
     for key, value in corpus.items():
         if key in manifest and manifest[key] != value:
             raise ValueError(f"{folder}: holds a build with another {key} ({manifest[key]!r}, now {value!r}); "
-                             "give another --out folder or delete this one")
+                             f"{ANOTHER_OUT}")
+    for name in _own_files(folder, temp=True):  # left by a build killed while writing a file
+        (folder / name).unlink(missing_ok=True)
     request = dict(index_options)
     done = manifest.get("index_request") == request and is_verified(folder / INDEX_FILE)
     if not done:  # new, unfinished, or other index settings (the embeddings are kept)
@@ -226,6 +314,43 @@ def build_index(
     return folder
 
 
+def index_file_problem(folder: Path) -> str | None:
+    """Why ``folder/index.faiss`` cannot be trusted (missing, no digest beside it, or bytes that do not match it:
+    the whole file is read), as one line naming it; None when it is whole."""
+    path = folder / INDEX_FILE
+    if not path.is_file():
+        why = "is missing"
+    elif not digest_path(path).is_file():
+        why = f"has no digest ({digest_path(path).name} is missing)"
+    elif digest_path(path).read_text().strip() != file_digest(path):
+        why = f"is damaged (its bytes do not match {digest_path(path).name})"
+    else:
+        return None
+    return (f"{path} {why}; rebuild it by rerunning its `bridge-pl index build` command (the embeddings are kept), "
+            f"and see `bridge-pl index info {folder} --verify` for the other files")
+
+
+def kept_files(folder: str | Path) -> str | None:
+    """What a stopped build left in ``folder`` for a rerun of it to keep (the passage text store, the finished
+    embedding shards, the index), in words; None when it wrote nothing yet. Files count by name, with their digest
+    beside them (nothing is read: a rerun checks the digests)."""
+    folder = Path(folder)
+    try:
+        manifest = _read_manifest(folder)
+    except StoreError:
+        return None
+
+    def finished(*names: str) -> bool:
+        return all((folder / n).is_file() and digest_path(folder / n).is_file() for n in names)
+
+    shards = -(-manifest["passages"] // manifest["chunk_rows"])
+    parts = ["the passage text store"] if finished(PASSAGES_FILE, OFFSETS_FILE) else []
+    parts.append(f"{sum(finished(shard_path(folder, s).name) for s in range(shards))} of {shards} embedding shards")
+    if "index" in manifest and finished(INDEX_FILE):
+        parts.append("the index")
+    return ", ".join(parts)
+
+
 class BuiltIndex:
     """An index folder opened for search: the FAISS index (memory-mapped), the passage text store and the
     float16 embedding store, none of them read into memory.
@@ -249,6 +374,8 @@ class BuiltIndex:
         self.embeddings = EmbeddingStore(self.folder, rows, dim, int(self.manifest["chunk_rows"]))
         settings = dict(self.manifest["index"])
         settings.update({k: v for k, v in (("nprobe", nprobe), ("ef_search", ef_search)) if v is not None})
+        if problem := index_file_problem(self.folder):
+            raise StoreError(problem)
         self.index = DenseIndex.open(self.folder / INDEX_FILE, settings, device)
 
     @property

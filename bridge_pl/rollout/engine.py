@@ -17,6 +17,10 @@ compacted (each row's real entries right-aligned, columns that are padding in ev
 
 Ids recorded are exactly the ids sampled (a turn is never re-tokenised); the env's text is tokenised on its
 own and recorded as appended.
+
+A stop requested through :data:`STOP_ROLLOUT` (by ``bridge_pl.signals.StopOnSignal``, from a signal handler) ends a
+rollout in progress at its next turn, and the ``hf`` backend's at its next decode step, with
+:class:`RolloutAbandoned`: nothing of the rollout is kept.
 """
 
 from __future__ import annotations
@@ -36,6 +40,37 @@ from bridge_pl.rollout.env import Action, SearchEnv
 
 if TYPE_CHECKING:
     from bridge_pl.policy import Policy
+
+
+class RolloutAbandoned(BaseException):
+    """A stop signal ended the rollout in progress (see :class:`RolloutStop`); nothing of it is kept. Like
+    ``SystemExit``, a stop rather than an error: no ``except Exception`` on the way takes it for a failure."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"the rollout in progress was abandoned on signal {signum}")
+        self.signum = signum
+
+
+class RolloutStop:
+    """A request, for this process, that rollouts end at their next turn or decode step: set (from a signal handler)
+    with :meth:`request`; :meth:`check`, called between turns and decode steps, then raises
+    :class:`RolloutAbandoned`."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def request(self, signum: int) -> None:
+        self.signum = signum
+
+    def clear(self) -> None:
+        self.signum = None
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise RolloutAbandoned(self.signum)
+
+
+STOP_ROLLOUT = RolloutStop()  # the process's one request, checked by every engine
 
 
 @dataclass
@@ -226,6 +261,7 @@ class MultiTurnEngine:
         rollouts = [_Rollout(p, list(prompts[p])) for p in range(len(prompts)) for _ in range(n_samples)]
         rows = list(range(len(rollouts)))  # rows[i]: the rollout in active row i
         for turn in range(1, self.max_turns + 2):
+            STOP_ROLLOUT.check()
             budgets = [min(self.max_new_tokens_per_turn, self.max_response_tokens - len(rollouts[r].response_ids))
                        for r in rows]
             actions = []
@@ -406,6 +442,7 @@ class _CachedDecoder:
             if not any(running):
                 self.unfed = [[tokens[i]] if fed[i] else [] for i in range(B)]
                 return turns
+            STOP_ROLLOUT.check()
             step_mask = torch.tensor(fed, dtype=self.attn.dtype, device=self.device)[:, None]
             self.attn = torch.cat([self.attn, step_mask], dim=1)
             step_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]

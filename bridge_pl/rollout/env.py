@@ -21,7 +21,10 @@ Parsing rules (:meth:`SearchEnv.parse_action`), for any text the model may emit:
    ``<search>a <search>b</search>`` searches ``b``; ``<search>a <answer>b</search>`` or a query that contains
    ``<think>…</think>`` is invalid.
 5. The content is stripped; empty content is invalid (for answers too: the model gets to try again).
-6. A query longer than ``max_query_tokens`` tokens is truncated to that many tokens.
+6. A query longer than ``max_query_tokens`` tokens is truncated to that many tokens (invalid if nothing but
+   white space is left).
+7. Any ``str`` parses, text no tokenizer decode gives included (a reward plug-in's or a file's): a lone UTF-16
+   surrogate, which no tokenizer encodes and UTF-8 cannot hold, reads as U+FFFD.
 
 Turn limit: turns ``1..max_turns`` may search. The environment's reply to turn ``max_turns`` ends with
 :attr:`EnvConfig.final_notice` (set it to ``""`` for Search-R1's silent final turn); turn ``max_turns + 1``
@@ -36,6 +39,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from bridge_pl.data.qa import Passage
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 ActionKind = Literal["search", "answer", "invalid"]
 TagKind = Literal["think", "search", "answer", "information"]
@@ -157,8 +162,9 @@ class SearchEnv:
 
     # ---- parsing ------------------------------------------------------------------------------
     def parse_action(self, text: str) -> Action:
-        """The action of one turn of policy text (see the module docstring for the rules)."""
+        """The action of one turn of policy text (see the module docstring for the rules); any ``str`` parses."""
         c = self.config
+        text = _SURROGATE.sub("\ufffd", text)  # one character for one
         inert = False
         last_open: tuple[str, int] | None = None  # (tag, end offset) of the nearest grammar tag if opening
         for m in self._tag_re.finditer(text):
@@ -177,7 +183,8 @@ class SearchEnv:
                     return Action("invalid")
                 if tag == c.answer_tag:
                     return Action("answer", content)
-                return Action("search", self._truncate(content, c.max_query_tokens))
+                query = self._truncate(content, c.max_query_tokens)
+                return Action("search", query) if query else Action("invalid")
             last_open = None if closing else (tag, m.end())
         return Action("invalid")
 

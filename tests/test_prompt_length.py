@@ -42,7 +42,8 @@ def fit(tmp_path, *overrides: str) -> None:
 
 @pytest.mark.parametrize(("overrides", "numbers"), [
     ((HD32, "--data.engine=vllm", f"--data.vllm.max_model_len={LONGEST + RESPONSE - 1}"),
-     ("data.vllm.max_model_len (301)", "(142 tokens)", "data.max_response_tokens (160)", "302 tokens")),
+     ("data.vllm.max_model_len (301)", "(142 tokens)", "data.max_response_tokens (160)", "302 tokens",
+      "(the longest prompt is question ")),
     ((HD32, "--data.engine=vllm", "--data.max_response_tokens=4000"),  # unset: tiny-llama's 4096 positions
      ("max_model_len (4096: data.vllm.max_model_len is unset", "(142 tokens)", "data.max_response_tokens (4000)")),
     pytest.param(("--data.engine=auto", "--data.vllm.max_model_len=200"),
@@ -50,7 +51,7 @@ def fit(tmp_path, *overrides: str) -> None:
                  marks=needs_vllm),
     (("--data.engine=hf", "--data.max_response_tokens=1000000000"),  # far beyond the model: every engine
      ("data.max_response_tokens (1000000000)", "(142 tokens)", "the policy's context (4096 tokens: "
-      "max_position_embeddings of tiny-llama)", f"at most {CONTEXT - LONGEST}")),
+      "max_position_embeddings of tiny-llama)", f"at most {CONTEXT - LONGEST}", "(the longest prompt is question ")),
     (("--data.engine=hf", f"--data.max_response_tokens={CONTEXT - LONGEST + 1}"),
      ("4097 tokens, more than the policy's context (4096 tokens", f"at most {CONTEXT - LONGEST}")),
     pytest.param(("--data.engine=vllm",),  # tiny-llama's 16-wide heads
@@ -115,5 +116,5 @@ def test_the_longest_prompt_is_the_datamodules_longest():
         ("Which?", {"options": {"A": "a very long option text " * 8, "B": "b"}}),
     ])]
     lengths = [len(data.prompt_ids(tok, ex.question, ex.metadata.get("options"))) for ex in examples]
-    assert longest_prompt(data, tok, examples) == max(lengths) == lengths[2]
-    assert longest_prompt(data, tok, examples[:2]) == lengths[1]
+    assert longest_prompt(data, tok, examples) == (max(lengths), examples[2].id) and max(lengths) == lengths[2]
+    assert longest_prompt(data, tok, examples[:2]) == (lengths[1], examples[1].id)

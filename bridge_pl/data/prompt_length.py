@@ -14,7 +14,7 @@ tokenizer and the model's Hugging Face config are read (no weights).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -53,14 +53,22 @@ def _question_text(example: QAExample) -> str:
     return f"{example.question}\n{options_text(options)}" if options else example.question
 
 
-def longest_prompt(data: RolloutDataModule, tokenizer, examples: Sequence[QAExample]) -> int:
-    """The length in tokens of the longest prompt of ``examples``, built by :meth:`RolloutDataModule.prompt_ids`.
+class LongestPrompt(NamedTuple):
+    """The longest prompt of a run's QA sets: its length in ``tokens`` and the ``example_id`` of its question (None
+    for no examples)."""
+
+    tokens: int
+    example_id: str | None
+
+
+def longest_prompt(data: RolloutDataModule, tokenizer, examples: Sequence[QAExample]) -> LongestPrompt:
+    """The longest prompt of ``examples``, built by :meth:`RolloutDataModule.prompt_ids`.
 
     Every question (with its options) is tokenised alone, in one batch; whole prompts are built only for those
     within :data:`SEAM_SLACK` tokens of the longest of their template (free-text or multiple-choice), since the
-    prompt adds the same template to each. 0 for no examples.
+    prompt adds the same template to each. ``(0, None)`` for no examples.
     """
-    longest = 0
+    longest = LongestPrompt(0, None)
     for choice in (False, True):
         group = [ex for ex in examples if bool(ex.metadata.get("options")) is choice]
         if not group:
@@ -70,7 +78,8 @@ def longest_prompt(data: RolloutDataModule, tokenizer, examples: Sequence[QAExam
         cutoff = max(sizes) - SEAM_SLACK
         for ex, size in zip(group, sizes, strict=True):
             if size >= cutoff:
-                longest = max(longest, len(data.prompt_ids(tokenizer, ex.question, ex.metadata.get("options"))))
+                tokens = len(data.prompt_ids(tokenizer, ex.question, ex.metadata.get("options")))
+                longest = max(longest, LongestPrompt(tokens, ex.id), key=lambda found: found.tokens)
     return longest
 
 
@@ -157,8 +166,10 @@ def rollout_problems(data: Mapping[str, Any], model: str | None, sets: Iterable[
     longest = longest_prompt(_prompt_builder(data), load_tokenizer(model), [ex for s in sets for ex in s])
     length = None
     if engine == "vllm" or (engine == "auto" and vllm_available()):
-        length = _vllm_length_problem(data, hf_config, longest)
+        length = _vllm_length_problem(data, hf_config, longest.tokens)
     context = model_context(hf_config)
     if length is None and context is not None:  # vLLM's length, when too short, says enough
-        length = context_problem(longest, data["max_response_tokens"], context, model)
+        length = context_problem(longest.tokens, data["max_response_tokens"], context, model)
+    if length is not None:
+        length += f" (the longest prompt is question {longest.example_id})"
     return [problem for problem in (kernels, length) if problem is not None]

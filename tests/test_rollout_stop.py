@@ -15,7 +15,7 @@ from helpers import TINY, bridge_pl_process, finish
 
 from bridge_pl.checkpoint_io import checkpoint_problem
 
-pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.name == "nt", reason="POSIX signals")]  # subprocess fits
 
 CHECKPOINTS = ["--trainer.enable_checkpointing=true", "--trainer.callbacks+=callbacks.checkpoint.ValidatedCheckpoint",
                "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true",

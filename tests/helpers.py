@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 from bridge_pl.cli import BridgeCLI
@@ -182,3 +184,23 @@ def rank_one(run: subprocess.Popen) -> int:
             return pids[0]
         time.sleep(0.1)
     raise AssertionError(f"rank 0 ended before it started rank 1: {finish(run)[1][-3000:]}")
+
+
+def step_log(root: Path, key: str) -> dict[int, dict]:
+    """The last metrics ``plugins.StepLog`` logged at each step in ``root/steps.jsonl`` (``key="step"``: an
+    iteration's losses; ``"val_step"``: a validation's metrics); an iteration or validation redone after a crash is
+    logged twice."""
+    rows = [json.loads(line) for line in (root / "steps.jsonl").read_text().splitlines()]
+    return {row.pop(key): row for row in rows if key in row}
+
+
+def assert_same_log(root: Path, reference: Path, key: str) -> list[int]:
+    """``root``'s :func:`step_log` has the steps, metric names and values (nan where nan) of ``reference``'s;
+    returns the steps."""
+    got, want = step_log(root, key), step_log(reference, key)
+    assert sorted(got) == sorted(want), key
+    for step, metrics in want.items():
+        assert got[step].keys() == metrics.keys()
+        assert [got[step][k] for k in metrics] == pytest.approx(list(metrics.values()), rel=1e-4, abs=1e-6,
+                                                                nan_ok=True)  # nan: no θ step
+    return sorted(want)

@@ -5,7 +5,6 @@ same per-iteration losses and the same validations (steps and metrics) as a run 
 Each run is a real subprocess (a SIGKILL cannot be caught); ``plugins.KillAt`` picks the point.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY
+from helpers import TINY, assert_same_log, step_log
 
 pytestmark = pytest.mark.slow  # multi-process or subprocess fits: `make test-fast` leaves them out
 
@@ -48,13 +47,6 @@ def final_state(root: Path) -> dict[str, torch.Tensor]:
     return torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
 
-def logged(root: Path, key: str) -> dict[int, dict]:
-    """The last logged metrics at each step (``key="step"``: an iteration's losses; ``"val_step"``: a validation's
-    metrics); an iteration or validation redone after a crash is logged twice."""
-    rows = [json.loads(line) for line in (root / "steps.jsonl").read_text().splitlines()]
-    return {row.pop(key): row for row in rows if key in row}
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("uninterrupted")
@@ -79,12 +71,7 @@ def test_a_run_killed_anywhere_resumes_to_the_uninterrupted_result(tmp_path, uni
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
     for key, steps in [("step", [1, 2, 3, 4]), ("val_step", [2, 4])]:  # a validation is not skipped on resume
-        got_logs, want_logs = logged(tmp_path, key), logged(uninterrupted, key)
-        assert sorted(got_logs) == sorted(want_logs) == steps, key
-        for step, want in want_logs.items():
-            assert got_logs[step].keys() == want.keys()
-            assert [got_logs[step][k] for k in want] == pytest.approx(list(want.values()), rel=1e-4, abs=1e-6,
-                                                                      nan_ok=True)  # nan: no θ step
-    phi_grads = [v for row in logged(uninterrupted, "step").values() for k, v in row.items()
+        assert assert_same_log(tmp_path, uninterrupted, key) == steps, key
+    phi_grads = [v for row in step_log(uninterrupted, "step").values() for k, v in row.items()
                  if k.startswith("grad_norm/phi")]
     assert any(v != 0 for v in phi_grads)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY, bridge_pl_process, finish, rank_one
+from helpers import TINY, assert_same_log, bridge_pl_process, finish, rank_one, step_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.name == "nt", reason="POSIX signals, gloo processes")]
 
@@ -39,12 +39,6 @@ def wait_for_step(root: Path, step: int, run: subprocess.Popen) -> None:
     while not (path.is_file() and any(json.loads(line).get("step") == step for line in path.read_text().splitlines())):
         assert run.poll() is None, finish(run)[1][-3000:]
         time.sleep(0.2)
-
-
-def logged(root: Path, key: str) -> dict[int, dict]:
-    """The last logged metrics at each step (``key="step"``: losses; ``"val_step"``: a validation's metrics)."""
-    rows = [json.loads(line) for line in (root / "steps.jsonl").read_text().splitlines()]
-    return {row.pop(key): row for row in rows if key in row}
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +70,10 @@ def test_sigterm_stops_both_ranks_at_one_checkpoint_that_resumes_exactly(tmp_pat
     assert not Path(f"/proc/{pids[1]}").exists() or "zombie" in Path(f"/proc/{pids[1]}/status").read_text()
     (line,) = [line for line in output.splitlines() if "bridge-pl: stopped by SIGTERM" in line and "resume" in line]
     assert "--ckpt_path=last" in line
-    stopped_at = max(logged(tmp_path, "step"))
+    stopped_at = max(step_log(tmp_path, "step"))
     assert 1 <= stopped_at < 4
 
     status, output = finish(start(tmp_path))
     assert status == 0, output[-3000:]
     for key in ("step", "val_step"):
-        got, want = logged(tmp_path, key), logged(uninterrupted, key)
-        assert sorted(got) == sorted(want), key
-        for step, metrics in want.items():
-            assert got[step].keys() == metrics.keys()
-            assert [got[step][k] for k in metrics] == pytest.approx(list(metrics.values()), rel=1e-4, abs=1e-6,
-                                                                    nan_ok=True)
+        assert_same_log(tmp_path, uninterrupted, key)

@@ -252,7 +252,7 @@ def this_ranks(states: Any) -> Any:
     """This rank's entry of a :func:`gather_per_rank` list (a checkpoint from before per-rank states: as is)."""
     if not isinstance(states, list):
         return states
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = process_rank()
     if rank >= len(states):
         raise ValueError(f"the checkpoint holds per-rank state for {len(states)} processes; this is rank {rank}: "
                          "resume with the world size it was saved with")
@@ -284,9 +284,12 @@ def join_at_rank_zero(share: list[Any]) -> list[Any] | None:
     world = dist.get_world_size()
     parts: list[list[Any]] | None = [[] for _ in range(world)] if dist.get_rank() == 0 else None
     dist.gather_object(share, parts, dst=0)
-    if parts is None:
-        return None
-    return [parts[r][i] for i in range(len(parts[0])) for r in range(world) if i < len(parts[r])]
+    return interleave(parts) if parts is not None else None
+
+
+def interleave(parts: list[list[Any]]) -> list[Any]:
+    """Per-rank lists back in the order they were dealt from: rank r's i-th item is item ``i * world + r``."""
+    return [part[i] for i in range(max(map(len, parts), default=0)) for part in parts if i < len(part)]
 
 
 def wait_for_ranks(what: str, poll_s: float = 0.5, report: Callable[[int, int], None] | None = None,

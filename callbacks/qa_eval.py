@@ -52,7 +52,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from bridge_pl.credit_analysis import trajectory_searches
 from bridge_pl.data.qa import Passage
-from bridge_pl.distributed import join_at_rank_zero, process_rank, share_from_rank_zero, wait_for_ranks
+from bridge_pl.distributed import interleave, join_at_rank_zero, process_rank, share_from_rank_zero, wait_for_ranks
 from bridge_pl.judge import Judge, JudgeCache, apply_verdicts, judge_verdicts, summarize
 from bridge_pl.metrics import set_means, trajectory_scores
 from bridge_pl.rollout.batch import RolloutBatch
@@ -127,10 +127,9 @@ def gather_to_rank_zero(local: list[dict[str, Any]]) -> list[dict[str, Any]] | N
 
 def merge_rank_records(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Interleave per-rank records (rank r's i-th is example ``i * world + r``); keep each id's first record."""
-    interleaved = [part[i] for i in range(max(map(len, parts), default=0)) for part in parts if i < len(part)]
     seen: set[str] = set()
     records = []
-    for record in interleaved:
+    for record in interleave(parts):
         if record["id"] not in seen:
             seen.add(record["id"])
             records.append(record)

@@ -2,7 +2,8 @@
 
 HashedBagRetriever: a retriever. DistinctWordsReward: a reward. StepLog, KillAt, SearchSteer: callbacks for the
 fault-injection test (a per-iteration loss log that survives SIGKILL; a SIGKILL at a chosen point of the run;
-the tiny policy steered to search). SlowJudge: a reasoning-quality judge as slow as a local LLM over a large set.
+the tiny policy steered to search); RolloutLog for the pinned fit. SlowJudge: a reasoning-quality judge as slow
+as a local LLM over a large set.
 ShortTimeoutDDP: DDP whose collectives time out after a few seconds, to try what outlasts the timeout quickly.
 
 Hashed bag-of-words towers: the query tower is a trainable ``EmbeddingBag``; passage vectors come from
@@ -179,12 +180,16 @@ class PromptLog(L.Callback):
 
 class SearchSteer(L.Callback):
     """Steers the random tiny policy to issue searches for the whole fit (``helpers.searching``), so a
-    subprocess run trains the retriever on real searches as the in-process tests do."""
+    subprocess run trains the retriever on real searches as the in-process tests do; with ``answers`` it then
+    answers with one of them (single-token words with a leading space), so rewards vary within a group."""
+
+    def __init__(self, answers: list[str] = ()) -> None:
+        self.answers = tuple(answers)
 
     def on_fit_start(self, trainer, pl_module):
         from helpers import searching
 
-        self._steer = searching(pl_module.policy)
+        self._steer = searching(pl_module.policy, answers=self.answers)
         self._steer.__enter__()
 
 
@@ -219,3 +224,39 @@ class ShortTimeoutDDP(DDPStrategy):
         super().setup(trainer)
         self.barrier()  # from here on the ranks keep pace, until a collective waits on a slow one
         torch.distributed.distributed_c10d._set_pg_timeout(timedelta(seconds=self.seconds))
+
+
+class RolloutLog(L.Callback):
+    """Appends one line per rollout batch a step consumes (training and validation) to a jsonl file: its example
+    ids, a digest of its tokens and masks, rewards, answers, choices, search queries, candidates and shown order,
+    the sampler's log-probs, the LM-credit searches and sequences, and the sampling stats (wall time left out)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._append("train", trainer.global_step, batch)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self._append("val", trainer.global_step, batch)
+
+    def _append(self, stage: str, step: int, batch) -> None:
+        def digest(*tensors) -> str:
+            return f"{zlib.crc32(b''.join(t.detach().cpu().contiguous().numpy().tobytes() for t in tensors)):08x}"
+
+        credit = [[s.prefix, s.branches, s.target] for s in batch.credit_sequences]
+        row = {
+            "stage": stage, "step": step, "dataset": batch.dataset, "ids": batch.example_ids,
+            "tokens": digest(batch.input_ids, batch.attention_mask, batch.action_mask),
+            "rewards": batch.rewards.tolist(), "answers": batch.answers, "choices": batch.choices,
+            "groups": batch.group_ids.tolist(), "queries": batch.search_queries,
+            "search": digest(batch.search_traj, batch.search_candidates, batch.search_order),
+            "search_logprob": batch.search_logprob.tolist(),
+            "sampler_logprob_sum": None if batch.sampler_logprobs is None else float(batch.sampler_logprobs.sum()),
+            "credit_searches": batch.credit_searches.tolist(),
+            "credit": f"{zlib.crc32(json.dumps(credit).encode()):08x}",
+            "sampling": {k: v for k, v in batch.sampling.items() if k != "seconds"},
+            "versions": [batch.policy_version, batch.retriever_version], "temperature": batch.temperature,
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")

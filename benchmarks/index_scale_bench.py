@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bridge_pl.data.qa import Passage
+from bridge_pl.records import Passage
 from bridge_pl.retrieval.built_index import INDEX_FILE, BuiltIndex, EncoderSettings, build_index
 from bridge_pl.retrieval.index import topk_overlap
 

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from bridge_pl.data.qa import Passage
+from bridge_pl.records import Passage
 from bridge_pl.retrieval.dense import DenseRetriever
 from bridge_pl.retrieval.index import DenseIndex, topk_overlap
 

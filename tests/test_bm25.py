@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge_pl.data.qa import Passage
+from bridge_pl.records import Passage
 from bridge_pl.retrieval.bm25 import BM25Retriever, top_k_rows
 
 PASSAGES = [

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from bridge_pl.data.qa import QAExample
 from bridge_pl.metrics import QAMetrics, set_means
+from bridge_pl.records import QAExample
 from bridge_pl.rewards import choice_letter
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import Trajectory

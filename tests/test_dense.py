@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge_pl.data.qa import Passage
+from bridge_pl.records import Passage
 from bridge_pl.retrieval.dense import DenseRetriever
 from bridge_pl.retrieval.index import StaleIndexError
 

@@ -18,8 +18,8 @@ import torch
 from helpers import bigram_bias
 
 from bridge_pl.attention import MIN_SHARED_PREFIX
-from bridge_pl.data.qa import Passage
 from bridge_pl.models import load_causal_lm, load_tokenizer
+from bridge_pl.records import Passage
 from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
 from bridge_pl.rollout.engine import _common_prefix_length
 

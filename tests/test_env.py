@@ -2,8 +2,8 @@
 
 import pytest
 
-from bridge_pl.data.qa import Passage
 from bridge_pl.models import load_tokenizer
+from bridge_pl.records import Passage
 from bridge_pl.rollout.env import Action, EnvConfig, SearchEnv
 
 

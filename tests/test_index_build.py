@@ -22,7 +22,8 @@ from helpers import TINY, bridge_pl_process, finish, fit_tiny, searching, tiny_c
 
 from bridge_pl.cli import main
 from bridge_pl.data.packaged import wikipedia_corpus
-from bridge_pl.data.qa import Passage, write_corpus
+from bridge_pl.data.qa import write_corpus
+from bridge_pl.records import Passage
 from bridge_pl.retrieval.built_index import INDEX_FILE, BuiltIndex, Progress
 from bridge_pl.retrieval.index import DenseIndex, default_nlist, default_pq_m, topk_overlap
 from bridge_pl.retrieval.store import (

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from bridge_pl.data.qa import Passage
+from bridge_pl.records import Passage
 from bridge_pl.retrieval.bm25 import BM25Retriever
 from bridge_pl.retrieval.dense import DenseRetriever
 from callbacks.index_refresh import IndexRefresh

@@ -8,10 +8,10 @@ import pytest
 
 from bridge_pl.data.datamodule import RolloutDataModule
 from bridge_pl.data.medical import MIRAGE_SUBSETS, expand_sets, read_medrag, read_mirage
-from bridge_pl.data.qa import DataFormatError
 from bridge_pl.data.sources import load_corpus, load_qa
 from bridge_pl.data.world import MC_OPTIONS, build_world
 from bridge_pl.metrics import QAMetrics, set_means
+from bridge_pl.records import DataFormatError
 from bridge_pl.rewards import answer_scores, choice_letter
 
 DATA = Path(__file__).parent / "data"
@@ -231,7 +231,7 @@ def test_a_multiple_choice_rollout_is_rewarded_for_the_gold_letter(tmp_path):
     """The datamodule's scorer on what a policy wrote (tiny model's tokenizer): letter out, reward 1 for the gold."""
     from helpers import tiny_module
 
-    from bridge_pl.data.qa import QAExample
+    from bridge_pl.records import QAExample
     from bridge_pl.rollout.engine import Trajectory
 
     module, data = tiny_module(tmp_path)
@@ -263,7 +263,7 @@ def test_a_tiny_fit_on_world_mc_trains_and_logs_accuracy(tmp_path):
 
 def test_the_credit_report_reads_a_multiple_choice_answer_by_its_letter_and_looks_for_the_option_text():
     from bridge_pl.credit_analysis import classify
-    from bridge_pl.data.qa import Passage
+    from bridge_pl.records import Passage
 
     shown = [Passage("p1", "Islets", "Beta cells of the pancreas make insulin.")]
     options = {"A": "Hepatocyte", "B": "Beta cells"}

@@ -13,8 +13,8 @@ from helpers import TINY
 
 from bridge_pl.cli import main
 from bridge_pl.data.medical import SHOWN, read_medrag, read_mirage
-from bridge_pl.data.qa import DataFormatError
 from bridge_pl.data.sources import load_corpus, load_qa
+from bridge_pl.records import DataFormatError
 
 MIRAGE = Path(__file__).parent / "data" / "mirage" / "benchmark.json"
 

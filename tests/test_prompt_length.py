@@ -12,8 +12,8 @@ import bridge_pl.policy
 from bridge_pl.cli import main
 from bridge_pl.data.datamodule import RolloutDataModule
 from bridge_pl.data.prompt_length import context_problem, head_dim, length_problem, longest_prompt, model_context
-from bridge_pl.data.qa import QAExample
 from bridge_pl.models import load_tokenizer
+from bridge_pl.records import QAExample
 from bridge_pl.rollout.vllm_engine import vllm_available
 
 # tests/configs/tiny.yaml: the world's longest prompt is 142 tokens (chat template of tiny-llama's tokenizer) and

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from bridge_pl.data.qa import DataFormatError, Passage, QAExample, read_corpus, read_qa, write_corpus, write_qa
+from bridge_pl.data.qa import read_corpus, read_qa, write_corpus, write_qa
+from bridge_pl.records import DataFormatError, Passage, QAExample
 
 
 def _jsonl(tmp_path, lines, name="data.jsonl"):

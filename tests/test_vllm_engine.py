@@ -20,9 +20,9 @@ import torch
 from helpers import tiny_cli, tiny_module
 
 from bridge_pl.data.datamodule import ExampleBatch
-from bridge_pl.data.qa import Passage
 from bridge_pl.models import resolve_model
 from bridge_pl.policy import Policy
+from bridge_pl.records import Passage
 from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
 from bridge_pl.rollout.vllm_engine import (
     CPU_BLOCK_SIZE,

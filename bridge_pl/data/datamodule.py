@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from bridge_pl.config import require_choice
 from bridge_pl.data.medical import expand_sets
-from bridge_pl.data.qa import QAExample, QASpec
 from bridge_pl.data.sources import load_qa
 from bridge_pl.distributed import gather_per_rank, this_ranks
 from bridge_pl.policy import BranchedSequence
+from bridge_pl.records import QAExample, QASpec
 from bridge_pl.rewards import ExactMatchReward, RewardFunction, choice_letter, choice_scores, extract_answer
 from bridge_pl.rollout.agent import RolloutAgent
 from bridge_pl.rollout.batch import RolloutBatch

@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bridge_pl.data.qa import DataFormatError, Passage, QAExample, _records, _scalar_id
+from bridge_pl.data.qa import _records, _scalar_id
+from bridge_pl.records import DataFormatError, Passage, QAExample
 
 MIRAGE_SUBSETS = ("medqa", "medmcqa", "pubmedqa", "bioasq", "mmlu")  # the benchmark's order
 MIRAGE_PREFIX = "mirage:"

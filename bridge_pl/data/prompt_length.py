@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 import torch
 
 from bridge_pl.data.datamodule import RolloutDataModule, options_text
-from bridge_pl.data.qa import QAExample
 from bridge_pl.models import load_tokenizer, resolve_model
+from bridge_pl.records import QAExample
 from bridge_pl.rollout.env import EnvConfig
 from bridge_pl.rollout.vllm_engine import DEFAULT_MAX_MODEL_LEN, engine_max_model_len, vllm_available
 

@@ -1,4 +1,4 @@
-"""QA examples and corpus passages, and their readers (FlashRAG / Search-R1 jsonl layout)."""
+"""Readers and writers of QA sets and corpora in the FlashRAG / Search-R1 jsonl layout."""
 
 from __future__ import annotations
 
@@ -6,58 +6,11 @@ import gzip
 import json
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bridge_pl.files import atomic_write
-
-
-@dataclass(frozen=True)
-class Passage:
-    """One retrievable passage. ``id`` is the corpus' own string id; retrievers address passages by row."""
-
-    id: str
-    title: str
-    text: str
-
-    @property
-    def contents(self) -> str:
-        """FlashRAG ``contents`` field: ``"title"\\ntext``."""
-        return f'"{self.title}"\n{self.text}'
-
-
-@dataclass(frozen=True)
-class QAExample:
-    """One question with its gold answers.
-
-    ``metadata`` may hold ``gold_passages``: a list (one entry per hop) of lists of gold passage ids.
-    """
-
-    id: str
-    question: str
-    golden_answers: list[str]
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def gold_text(self) -> str:
-        """The first gold answer as text: on a multiple-choice question (``metadata["options"]``) the gold
-        letter's option text, else the first golden answer."""
-        gold = self.golden_answers[0]
-        options = self.metadata.get("options")
-        return options[gold] if options else gold
-
-
-# A corpus or QA set as a config gives it: a name or file path (bridge_pl.data.sources), or the records themselves
-# (an inline YAML list; in Python, Passage / QAExample objects too). Not list[Passage]: jsonargparse would read a
-# .json file's list straight into dataclasses, past the readers' checks.
-CorpusSpec = str | list[dict[str, Any]]
-QASpec = str | list[dict[str, Any]]
-
-
-class DataFormatError(ValueError):
-    """A malformed QA or corpus file; the message names ``file:line``, the field and what was expected."""
-
+from bridge_pl.records import DataFormatError, Passage, QAExample
 
 MAX_RECORD_CHARS = 1_000_000  # one QA example or passage per line; longer lines are rejected, not truncated
 _ANSWER_FIELDS = ("golden_answers", "answers", "answer")  # first one present wins; see read_qa

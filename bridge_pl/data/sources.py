@@ -27,18 +27,9 @@ from bridge_pl.data.medical import (
     mirage_hint,
 )
 from bridge_pl.data.packaged import FANOUTQA_LEVELS, fanoutqa_questions, wikipedia_corpus
-from bridge_pl.data.qa import (
-    CorpusSpec,
-    DataFormatError,
-    Passage,
-    QAExample,
-    QASpec,
-    passages_from_records,
-    qa_from_records,
-    read_corpus,
-    read_qa,
-)
+from bridge_pl.data.qa import passages_from_records, qa_from_records, read_corpus, read_qa
 from bridge_pl.data.world import MC_SHARE, World, build_world
+from bridge_pl.records import CorpusSpec, DataFormatError, Passage, QAExample, QASpec
 
 _WORLD = re.compile(r"world(?::(?P<seed>-?\d+))?")
 _WORLD_QA = re.compile(r"world(?P<mc>-mc)?(?::(?P<seed>-?\d+))?/(?P<split>train|dev|test)")

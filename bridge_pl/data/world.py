@@ -40,7 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge_pl.data.qa import Passage, QAExample, write_corpus, write_qa
+from bridge_pl.data.qa import write_corpus, write_qa
+from bridge_pl.records import Passage, QAExample
 from bridge_pl.seeding import derive_seed
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "tr",

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from bridge_pl.data.qa import Passage
+from bridge_pl.records import Passage
 
 
 class Retriever(nn.Module, ABC):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bridge_pl.config import require_choice
-from bridge_pl.data.qa import CorpusSpec, Passage
+from bridge_pl.records import CorpusSpec, Passage
 from bridge_pl.retrieval.base import Retriever
 
 BM25Method = Literal["robertson", "lucene", "bm25l", "bm25+", "atire"]

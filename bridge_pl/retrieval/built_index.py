@@ -33,8 +33,8 @@ from typing import TextIO
 import numpy as np
 import torch
 
-from bridge_pl.data.qa import Passage
 from bridge_pl.files import atomic_write, digest_path, file_digest, is_verified
+from bridge_pl.records import Passage
 from bridge_pl.retrieval.index import KIND_OPTIONS, DenseIndex, StaleIndexError, default_nlist
 from bridge_pl.retrieval.store import (
     OFFSETS_FILE,

@@ -27,9 +27,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bridge_pl.config import require_choice
-from bridge_pl.data.qa import CorpusSpec, Passage
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.files import is_verified, write_verified
+from bridge_pl.records import CorpusSpec, Passage
 from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.built_index import BuiltIndex, inner_products
 from bridge_pl.retrieval.index import DenseIndex, IndexKind

@@ -22,8 +22,8 @@ from typing import overload
 
 import numpy as np
 
-from bridge_pl.data.qa import Passage
 from bridge_pl.files import write_verified
+from bridge_pl.records import Passage
 
 PASSAGES_FILE = "passages.jsonl"
 OFFSETS_FILE = "passages.offsets.npy"

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from bridge_pl.retrieval.base import Passage
+from bridge_pl.records import Passage
 from bridge_pl.rollout.engine import SearchOutcome
 
 if TYPE_CHECKING:

@@ -34,8 +34,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bridge_pl.attention import MIN_SHARED_PREFIX
-from bridge_pl.data.qa import Passage
 from bridge_pl.eval_mode import eval_mode
+from bridge_pl.records import Passage
 from bridge_pl.rollout.env import Action, SearchEnv
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from bridge_pl.data.qa import Passage
+from bridge_pl.records import Passage
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

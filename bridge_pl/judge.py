@@ -6,11 +6,12 @@ the passages it was shown) and the final answer, never the gold answer, and repl
 causal LM) and :class:`OpenAIJudge` (any OpenAI-compatible chat endpoint, e.g. ``vllm serve`` on the user's
 machine; stdlib HTTP only).
 
-:func:`judge_records` scores predictions records through a :class:`JudgeCache` (a jsonl file keyed by the judge
+:func:`judge_verdicts` judges predictions records through a :class:`JudgeCache` (a jsonl file keyed by the judge
 and the exact prompt), so an interrupted evaluation resumes without asking again. A reply without a parseable
-score is counted and kept (``reasoning_quality`` null), a failed request too; neither ever raises. Its steps
-(:func:`judge_verdicts`, :func:`apply_verdicts`, :func:`summarize`) are separate so that several processes can each
-judge a share of a set and one of them sum up the whole.
+score is counted and kept (``reasoning_quality`` null), a failed request too; neither ever raises.
+:func:`apply_verdicts` writes the verdicts into the records and :func:`summarize` sums them up; the steps are
+separate so that several processes can each judge a share of a set and one of them sum up the whole
+(``callbacks.QAEval``).
 """
 
 from __future__ import annotations
@@ -356,12 +357,3 @@ def summarize(verdicts: Sequence[Verdict]) -> JudgeSummary:
                    None)
     return JudgeSummary(sum(scores) / len(scores) if scores else None, len(scores), unparsed, failed, example)
 
-
-def judge_records(judge: Judge, records: list[dict[str, Any]], cache: JudgeCache,
-                  progress: Callable[[int, int], None] | None = None) -> JudgeSummary:
-    """Score ``records`` (predictions records) in place: each gets ``reasoning_quality`` (1-5 or None) and
-    ``judge_reply`` (the reply, or ``"error: ..."`` when the request failed). Cached prompts are not asked again;
-    ``progress`` as in :func:`judge_verdicts`."""
-    verdicts = judge_verdicts(judge, records, cache, progress)
-    apply_verdicts(records, verdicts)
-    return summarize(verdicts)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bridge_pl.attention import ATTENTIONS, MIN_SHARED_PREFIX, SharedPrefixKV, use_bridge_attention
+from bridge_pl.attention import MIN_SHARED_PREFIX, SharedPrefixKV, use_bridge_attention
+from bridge_pl.attention import NAME as BRIDGE_ATTENTION
 from bridge_pl.distributed import (
     call_under_root,
     decoder_layers,
@@ -120,9 +121,6 @@ class Policy(nn.Module):
             the loaded policy is the KL reference (see :meth:`rebase_reference`).
         merged_generation: rollouts and evaluations generate with each LoRA delta merged into its base weight
             (:meth:`generation_model`), not through peft's float32 side path; False: through the adapters.
-        decode_matmul: run one-token decode steps as two matmuls over the grouped heads instead of SDPA
-            (``sdpa_decode``, :mod:`bridge_pl.attention`): faster per step on CPU when no row is padded, not over
-            whole rollouts (``benchmarks/decode_attention_bench.py``); off by default.
 
     The KL reference is the policy RL starts from: the base model (adapter off) for a fresh adapter, or the
     warm-started / loaded policy after :meth:`rebase_reference`.
@@ -142,7 +140,6 @@ class Policy(nn.Module):
         gradient_checkpointing: bool = False,
         adapter: str | None = None,
         merged_generation: bool = True,
-        decode_matmul: bool = False,
     ) -> None:
         super().__init__()
         if dtype != "auto" and dtype not in _DTYPES:
@@ -165,7 +162,7 @@ class Policy(nn.Module):
         if load_in_4bit:
             kwargs = self._quantization_kwargs(self.weight_dtype)
         base = load_causal_lm(model, dtype=self.weight_dtype, **kwargs)
-        use_bridge_attention(base, decode_matmul)  # SDPA with the shared training prefix (bridge_pl.attention)
+        use_bridge_attention(base)  # SDPA with the shared training prefix (bridge_pl.attention)
         if gradient_checkpointing:
             enable_activation_checkpointing(base)
         self.reference: nn.Module | None = None  # full fine-tuning: frozen copy of the reference weights
@@ -322,11 +319,6 @@ class Policy(nn.Module):
             with torch.no_grad():
                 for weight, original in reversed(originals):
                     weight.copy_(original)
-
-    @property
-    def generates_merged(self) -> bool:
-        """Whether :meth:`generation_model` merges the adapters (else it yields the model as it is)."""
-        return bool(self._mergeable_lora_layers())
 
     @torch.no_grad()
     def generation_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -485,7 +477,7 @@ class Policy(nn.Module):
         rows, width = input_ids.shape
         positions_as_default = position_ids is None  # what a 2-D mask needs; a 4-D one comes with its positions
         if (rows < 2 or is_sharded(self.model) or positions_as_default != (attention_mask.dim() == 2)
-                or getattr(hf.config, "_attn_implementation", None) not in ATTENTIONS
+                or getattr(hf.config, "_attn_implementation", None) != BRIDGE_ATTENTION
                 or not _full_attention_only(hf.config)):
             return 0
         leading = (input_ids == input_ids[:1]).all(0)

@@ -447,13 +447,3 @@ def value_loss(
         loss = torch.maximum(loss, (v_clip - returns).square())
     return agg_loss(0.5 * loss, mask, agg)
 
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (nats) of ``softmax(logits)`` over the last axis: ``[B, T, V] -> [B, T]``.
-
-    ``H = logsumexp(z) - sum_v p_v z_v``; stable for large logits, and ``-inf`` logits (banned tokens)
-    contribute 0 instead of ``0 * inf = NaN``.
-    """
-    probs = torch.softmax(logits, dim=-1)
-    finite_logits = torch.where(probs > 0, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-    return torch.logsumexp(logits, dim=-1) - (probs * finite_logits).sum(dim=-1)

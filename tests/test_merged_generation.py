@@ -48,7 +48,6 @@ def test_it_computes_the_adapted_policy_without_the_lora_path_and_restores_the_b
     before = {n: p.detach().clone() for n, p in base_weights(policy).items()}
     identity = {n: id(p) for n, p in base_weights(policy).items()}
     calls, handles = count_lora_calls(policy)
-    assert policy.generates_merged
     with policy.generation_model() as model:
         merged = logits(model, ids)
     lora_calls_inside = calls[0]
@@ -137,7 +136,6 @@ def test_adapters_a_merge_would_misrepresent_generate_through_peft(tmp_path, ext
 @pytest.mark.parametrize("kwargs", [{"merged_generation": False}, {"lora": False}], ids=["opted-out", "full-ft"])
 def test_without_merging_it_yields_the_model_as_it_is(kwargs):
     policy = Policy("tiny-llama", dtype="float32", lora_r=4, **kwargs)
-    assert not policy.generates_merged
     calls, handles = count_lora_calls(policy)
     with policy.generation_model() as model:
         assert model is policy.model

@@ -256,20 +256,6 @@ def test_value_loss_clipped():
     assert rl.value_loss(values, old, returns, mask, clip=None).item() == pytest.approx(0.26)
 
 
-def test_entropy_from_logits():
-    logits = torch.tensor(
-        [
-            [[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3), -math.inf, -math.inf]],
-            [[1000.0, 1000.0, -math.inf, -math.inf], [5.0, -math.inf, -math.inf, -math.inf]],
-        ],
-        dtype=torch.float64,
-    )
-    # ln 4 = 1.386294; p=(1/4,3/4): 0.25 ln4 + 0.75 ln(4/3) = 0.562335; two equal huge logits: ln 2;
-    # one finite logit: 0.
-    expected = t([1.386294, 0.562335], [0.693147, 0.0])
-    torch.testing.assert_close(rl.entropy_from_logits(logits), expected, atol=1e-6, rtol=0)
-
-
 def test_groups_with_signal_counts_groups_whose_rewards_differ():
     scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.5])
     groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])  # group 3 has one sample: no baseline, not counted

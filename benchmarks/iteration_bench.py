@@ -24,13 +24,13 @@ Phases (each method is wrapped with ``time.perf_counter`` in the benchmark proce
 one counts for the innermost, so nothing is counted twice):
 
 - rollout: ``RolloutDataModule.rollout`` (generation, searches, the LM-credit input sequences);
-- reference: ``RLProblem._reference_logprobs`` (the KL reference forward);
-- LM credit: ``RLProblem._lm_scores``, every call (construction, ``refresh_teacher``, ``lower_loss`` with a live
+- reference: ``BatchLosses._reference_logprobs`` (the KL reference forward);
+- LM credit: ``BatchLosses._lm_scores``, every call (construction, ``refresh_teacher``, ``lower_loss`` with a live
   teacher);
 - policy update: the solver's θ step (``Solver._policy_steps``: building the extra loss terms, e.g. ``implicit``'s
   hypergradient correction, and the θ ``ParamUpdate.step_parts``: forward and backward of the policy-loss parts and
   of the coupling / correction parts, clipping, the optimizer step), and the no-grad π_old forward of mini-batches
-  2..M (``RLProblem._fill_old_logprobs``, at construction; with ``model.rl.minibatches`` > 1);
+  2..M (``BatchLosses._fill_old_logprobs``, at construction; with ``model.rl.minibatches`` > 1);
 - retriever steps: the φ and ψ ``ParamUpdate`` steps and the retriever losses ``lower_loss`` and
   ``retriever_upper_loss``, wherever they are called (also inside ``implicit``'s θ hypergradient);
 - other: the rest of the iteration (advantages, log P_φ of the shown lists at construction, solver glue).
@@ -365,7 +365,7 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
     """Child: one measured iteration of ``mode``."""
     import torch
 
-    from bridge_pl.problem import RLProblem
+    from bridge_pl.batch_losses import BatchLosses
 
     module, data = build(args, mode, root)
     examples = first_batch(data)
@@ -376,12 +376,12 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
 
     clock = PhaseClock()
     clock.wrap(data, "rollout", "rollout")
-    clock.wrap(RLProblem, "_reference_logprobs", "reference")
-    clock.wrap(RLProblem, "_lm_scores", "lm_credit")
-    clock.wrap(RLProblem, "lower_loss", "retriever_steps")
-    clock.wrap(RLProblem, "retriever_upper_loss", "retriever_steps")
+    clock.wrap(BatchLosses, "_reference_logprobs", "reference")
+    clock.wrap(BatchLosses, "_lm_scores", "lm_credit")
+    clock.wrap(BatchLosses, "lower_loss", "retriever_steps")
+    clock.wrap(BatchLosses, "retriever_upper_loss", "retriever_steps")
     clock.wrap(module.solver, "_policy_steps", "policy_update")
-    clock.wrap(RLProblem, "_fill_old_logprobs", "policy_update")
+    clock.wrap(BatchLosses, "_fill_old_logprobs", "policy_update")
     for update, name in [(updates.policy, "policy_update"), (updates.phi, "retriever_steps"),
                          (updates.psi, "retriever_steps")]:
         if update is not None:
@@ -449,7 +449,7 @@ def run_floors(args: argparse.Namespace, root: str) -> dict:
     policy, tok = module.policy, module.policy.tokenizer
     n_tokens = max(1, round(float(batch.action_mask.sum(-1).float().mean())))
 
-    prompts = [data.prompt_ids(tok, ex.question) for ex in examples]
+    prompts = [data.collector.prompts.ids(tok, ex.question) for ex in examples]
     rows = [p for p in prompts for _ in range(data.n_samples)]  # prompt-major, as the rollout
     width = max(len(p) for p in rows)
     ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
@@ -458,8 +458,8 @@ def run_floors(args: argparse.Namespace, root: str) -> dict:
         ids[r, width - len(p):] = torch.tensor(p)
         attn[r, width - len(p):] = 1
     ids, attn = ids.to(module.device), attn.to(module.device)
-    sampling = {"do_sample": True, "temperature": data.engine_args["temperature"],
-                "top_p": data.engine_args["top_p"], "pad_token_id": tok.pad_token_id}
+    sampling = {"do_sample": True, "temperature": data.collector.limits.temperature,
+                "top_p": data.collector.limits.top_p, "pad_token_id": tok.pad_token_id}
     with policy.generation_model() as model, torch.no_grad():  # LoRA merged, as the data module generates
         model.eval()
         model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=2, min_new_tokens=2, **sampling)  # warm-up

@@ -8,7 +8,7 @@ searches, which go through the module's retriever as in training (K' dense candi
 
 Throughput (sampled tokens/s; each method samples its own tokens, so compare rates, not counts):
 
-- ``hf``: bridge-pl's own decode loop (:class:`bridge_pl.rollout.RolloutEngine`: KV cache kept across turns, LoRA
+- ``hf``: bridge-pl's own decode loop (:class:`bridge_pl.rollout.HFRolloutEngine`: KV cache kept across turns, LoRA
   merged into the weights for generation);
 - ``vllm``: the in-process vLLM engine (:class:`bridge_pl.rollout.vllm_engine.VLLMRolloutEngine`), weights pushed in
   before the timed rollout (the push is timed on its own: ``sync``);
@@ -28,6 +28,7 @@ float32 log-probs) on the vLLM trajectories. Timings need an otherwise idle mach
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -40,7 +41,7 @@ import torch
 
 from bridge_pl.cli import BridgeCLI
 from bridge_pl.eval_mode import eval_mode
-from bridge_pl.rollout import RolloutEngine, SearchEnv
+from bridge_pl.rollout import HFRolloutEngine, SearchEnv
 from bridge_pl.rollout.vllm_engine import VLLMRolloutEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,11 +124,12 @@ def main() -> None:
     warm_steps = args.warm_steps if args.warm_steps is not None else (warm.steps if warm else 0)
     _, t_warm = timed(lambda: warm_start(cli, warm_steps))
     policy, tok = module.policy, module.policy.tokenizer
-    env = SearchEnv(data.env_config, tok)
-    engines = {"hf": RolloutEngine(env, **data.engine_args),
-               "vllm": VLLMRolloutEngine(env, **data.engine_args, config=data.vllm_config, seed=data.seed)}
+    env = SearchEnv(data.collector.prompts.env, tok)
+    limits = dataclasses.asdict(data.collector.limits)
+    engines = {"hf": HFRolloutEngine(env, **limits),
+               "vllm": VLLMRolloutEngine(env, **limits, config=data.collector.vllm, seed=data.seed)}
     examples = list(next(iter(data.train_dataloader())))
-    prompts = [data.prompt_ids(tok, ex.question) for ex in examples]
+    prompts = [data.collector.prompts.ids(tok, ex.question) for ex in examples]
     n = data.n_samples
 
     def sample(engine):
@@ -137,8 +139,9 @@ def main() -> None:
 
     def greedy(engine, questions):
         out = []
-        for start in range(0, len(questions), data.eval_batch_size):
-            chunk = [data.prompt_ids(tok, ex.question) for ex in questions[start:start + data.eval_batch_size]]
+        size = data.eval_batch_size
+        for start in range(0, len(questions), size):
+            chunk = [data.collector.prompts.ids(tok, ex.question) for ex in questions[start:start + size]]
             out += engine.rollout(policy, chunk, lambda q: module.retrieve(q, stochastic=False), greedy=True)
         return out
 
@@ -156,7 +159,7 @@ def main() -> None:
     ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows], device=module.device)
     attn = (torch.arange(width, device=module.device)[None] >= torch.tensor([width - len(r) for r in rows],
                                                                               device=module.device)[:, None]).long()
-    sampling = dict(do_sample=True, temperature=data.engine_args["temperature"], top_p=data.engine_args["top_p"],
+    sampling = dict(do_sample=True, temperature=limits["temperature"], top_p=limits["top_p"],
                     pad_token_id=tok.pad_token_id, max_new_tokens=per_row, min_new_tokens=per_row)
     with policy.generation_model() as model, eval_mode(model), torch.no_grad():
         _, t_floor = timed(lambda: model.generate(input_ids=ids, attention_mask=attn, **sampling))
@@ -171,9 +174,9 @@ def main() -> None:
 
     trajs = results["hf"][0]
     print(f"{Path(args.config).name}: policy {policy.name} ({str(policy.weight_dtype).removeprefix('torch.')}), "
-          f"{len(prompts)} prompts x {n} samples, max_turns={data.engine_args['max_turns']}, "
-          f"tokens/turn<={data.engine_args['max_new_tokens_per_turn']}, "
-          f"response<={data.engine_args['max_response_tokens']}, temperature={data.engine_args['temperature']}, "
+          f"{len(prompts)} prompts x {n} samples, max_turns={limits['max_turns']}, "
+          f"tokens/turn<={limits['max_new_tokens_per_turn']}, "
+          f"response<={limits['max_response_tokens']}, temperature={limits['temperature']}, "
           f"threads={args.threads}, CPU {cpu_model()}")
     print(f"warm start: {warm_steps} steps in {t_warm:.1f} s; vLLM engine built in {t_build:.1f} s, weight push "
           f"{t_sync:.2f} s; hf rollouts: {sum(t.turns for t in trajs) / len(trajs):.2f} turns, "

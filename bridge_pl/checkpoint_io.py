@@ -28,6 +28,11 @@ that change what the run trains (:data:`RUN_DEFINING`: the mode, the base models
 the corpus or index) is refused, naming each option that differs (:func:`config_problem`); other options (steps,
 intervals, learning rates, logging, callbacks) may change. :func:`check_run_start` also refuses a ``fit`` that
 would start over in a folder that holds a run's checkpoints.
+
+When an iteration is saved: one that a validation follows (:func:`validation_follows`) is saved after that validation
+(``callbacks.ValidatedCheckpoint``), and a run stopped by a signal stops at the newest whole checkpoint instead of
+saving it early (:class:`~bridge_pl.signals.StopOnSignal`). The options of the callbacks a config names are checked
+before anything loads (:func:`callback_problems`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -457,11 +463,15 @@ def flat_run_config(config: Any) -> dict[str, str]:
             if key.startswith("model.") or key in _STORED_DATA}
 
 
-def _callback_entries(config: Any) -> list[Any]:
-    callbacks = config.get("trainer.callbacks")
+def _entries(callbacks: Any) -> list[Any]:
+    """A parsed ``trainer.callbacks`` (one entry, a list of them, or None) as a list of entries."""
     if callbacks is None:
         return []
     return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+
+
+def _callback_entries(config: Any) -> list[Any]:
+    return _entries(config.get("trainer.callbacks"))
 
 
 def entry_class(entry: Any) -> type | None:
@@ -472,6 +482,37 @@ def entry_class(entry: Any) -> type | None:
     except (ImportError, AttributeError, ValueError):
         return None
     return cls if isinstance(cls, type) else None
+
+
+def callback_problems(callbacks: Any) -> list[str]:
+    """What is wrong with the options of the entries of a parsed config's ``trainer.callbacks`` (class path and init
+    args, before anything is instantiated), each message naming the entry and the option.
+
+    A callback class checks its own options with a static method ``init_args_problem(init_args) -> str | None``
+    (the entry's parsed ``init_args``, None when it has none; e.g. ``callbacks.ValidatedCheckpoint``'s
+    ``keep_last``); entries whose class has none are not checked here.
+    """
+    problems = []
+    for index, entry in enumerate(_entries(callbacks)):
+        cls = entry_class(entry)
+        check = getattr(cls, "init_args_problem", None)
+        if callable(check) and (problem := check(getattr(entry, "init_args", None))):
+            problems.append(f"trainer.callbacks[{index}] ({cls.__name__}): {problem}")
+    return problems
+
+
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether a validation with at least one batch runs right after the training iteration that just ended.
+
+    Uses the training loop's own test (Lightning-private; ``tests/test_fault_injection.py`` and
+    ``tests/test_checkpoint.py`` pin what it gives); a validation without batches (no dev set) never calls
+    ``on_validation_end``, so it does not count.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        return False
+    epoch_loop.val_loop.setup_data()  # what the loop does next anyway (a no-op once set up)
+    return not epoch_loop.val_loop.skip
 
 
 def _is_checkpoint_callback(entry: Any) -> bool:

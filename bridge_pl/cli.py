@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from bridge_pl.bilevel import make_solver
 from bridge_pl.checkpoint_io import (
     AtomicCheckpointIO,
+    callback_problems,
     check_run_start,
     checkpoint_folders,
     fit_problem,
@@ -31,15 +32,15 @@ from bridge_pl.checkpoint_io import (
     resolve_checkpoint,
 )
 from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
-from bridge_pl.data.datamodule import DATA_RULES, RolloutDataModule, data_problems, read_stage_sources
+from bridge_pl.data.datamodule import RolloutDataModule
 from bridge_pl.data.prompt_length import rollout_problems
+from bridge_pl.data.settings import DATA_RULES, data_problems, read_stage_sources
 from bridge_pl.data.sources import check_corpus
 from bridge_pl.distributed import FSDP1_REFUSAL, is_fsdp1
 from bridge_pl.module import BridgeModule
 from bridge_pl.rollout.engine import RolloutAbandoned
 from bridge_pl.run_lock import FolderNotWritable, RunLock, write_problem
 from bridge_pl.signals import StopOnSignal, exit_line
-from callbacks.checkpoint import callback_problems
 
 DEBUG_ENV = "BRIDGE_PL_DEBUG"  # set to 1: errors show their Python traceback
 
@@ -78,7 +79,7 @@ def config_problems(config) -> list[str]:
     problems = _number_problems(config)
     data = config.get("data")
     if data is not None:
-        problems += data_problems({key: data.get(key) for key in (*DATA_RULES, "instruction")})
+        problems += data_problems({key: data.get(key) for key in (*DATA_RULES, "instruction", "choice_instruction")})
     strategy = config.get("trainer.strategy")
     if strategy is not None and is_fsdp1(strategy):
         problems.append(FSDP1_REFUSAL)

@@ -264,6 +264,11 @@ def process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def world_size() -> int:
+    """The number of processes of the run (1 without ``torch.distributed``)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def share_from_rank_zero(items: list[Any] | None) -> list[Any]:
     """This rank's share of rank 0's ``items``: ``items[rank::world]`` (a scatter: every rank must call it; only rank
     0's ``items`` is read). One process: ``items``."""

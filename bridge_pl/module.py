@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from bridge_pl import rl
+from bridge_pl.batch_losses import BatchLosses, head_values
 from bridge_pl.bilevel import ParamUpdate, Updates, make_solver
 from bridge_pl.config import RetrievalSampling, RLConfig, SolverConfig, minibatch_problem
 from bridge_pl.distributed import (
@@ -37,8 +38,8 @@ from bridge_pl.distributed import (
 )
 from bridge_pl.metrics import QAMetrics, StepLogKeys, set_means, valid_action_rate
 from bridge_pl.policy import Policy
-from bridge_pl.problem import RLProblem, head_values
-from bridge_pl.retrieval.base import Passage, Retriever
+from bridge_pl.records import Passage
+from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.credit import gumbel_topk, plackett_luce_logprob, topk_order
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchOutcome
@@ -280,12 +281,12 @@ class BridgeModule(L.LightningModule):
             )
         return outcomes
 
-    def problem(self, batch: RolloutBatch, **overrides) -> RLProblem:
-        """The losses of ``batch`` with this module's parts and settings (``overrides``: RLProblem's keyword
+    def problem(self, batch: RolloutBatch, **overrides) -> BatchLosses:
+        """The losses of ``batch`` with this module's parts and settings (``overrides``: BatchLosses's keyword
         arguments, e.g. ``old_logprobs`` for a probe; the credit graph is kept when the solver couples)."""
         overrides.setdefault("keep_credit_graph", self.solver.uses_coupling)
-        return RLProblem(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config,
-                         self.retrieval_config, **overrides)
+        return BatchLosses(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config,
+                           self.retrieval_config, **overrides)
 
     # ---- what the rollout DataModule asks for (bridge_pl.rollout.agent.RolloutAgent) -----------------
     def passage(self, row: int) -> Passage:

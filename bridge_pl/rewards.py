@@ -7,6 +7,10 @@ normalises to ``""``) can never be matched. Official SQuAD EM would score ``""``
 and sub-EM would score every prediction 1 against such a gold; official F1 already scores both 0.
 Accents and non-ASCII punctuation (curly quotes, dashes) are kept, exactly as in SQuAD.
 
+Whether an answer occurs in a text is decided in one place, :func:`contains_answer` (whole normalised tokens, so
+gold ``"art"`` is not in ``"start"``); sub-EM is that test as a score, and the miss report and the landscape probe's
+answer teacher use it on passages. (FlashRAG's sub-EM "acc" tests a character substring instead.)
+
 Every score takes ``golds``, a non-empty list of gold answers, and returns the maximum over them.
 """
 
@@ -71,12 +75,32 @@ def exact_match(prediction: str | None, golds: Sequence[str]) -> float:
     return _best_score(prediction, golds, lambda pred, gold: float(pred == gold))
 
 
-def sub_exact_match(prediction: str | None, golds: Sequence[str]) -> float:
-    """1.0 if some normalised gold is a character substring of the normalised prediction (FlashRAG "acc").
+def _is_token_run(text: str, gold: str) -> float:
+    """1.0 if the normalised ``gold`` is a contiguous run of whole tokens of the normalised ``text``, else 0.0.
 
-    Substrings are not token-aligned: gold ``"art"`` matches prediction ``"start"``.
+    Normalised strings are single-space-separated tokens, so padding both with a space makes a substring test
+    token-aligned."""
+    return float(f" {gold} " in f" {text} ")
+
+
+def contains_answer(text: str | None, golds: Sequence[str]) -> bool:
+    """Whether some gold answer occurs in ``text`` as whole words: after :func:`normalize_answer` of both sides, the
+    gold's tokens are a contiguous run of the text's tokens.
+
+    Gold ``"art"`` is not in ``"start"``; ``"New York"`` is in ``"I love New York City!"``; ``"the Beatles"`` is in
+    ``"a song by Beatles."`` (articles and punctuation are normalised away). A gold that normalises to ``""``
+    (``"the"``) occurs nowhere, and None or a text that normalises to ``""`` holds no answer. ``golds`` is checked as
+    by every score here (a non-empty list of strings).
     """
-    return _best_score(prediction, golds, lambda pred, gold: float(gold in pred))
+    return _best_score(text, golds, _is_token_run) == 1.0
+
+
+def sub_exact_match(prediction: str | None, golds: Sequence[str]) -> float:
+    """1.0 if some gold answer occurs in the prediction as whole words (:func:`contains_answer`), else 0.0.
+
+    Token-aligned, unlike FlashRAG's character-substring "acc": gold ``"art"`` does not match ``"start"``.
+    """
+    return _best_score(prediction, golds, _is_token_run)
 
 
 def f1_score(prediction: str | None, golds: Sequence[str]) -> float:
@@ -334,7 +358,7 @@ class F1Reward(_AnswerScoreReward):
 
 
 class SubEMReward(_AnswerScoreReward):
-    """Sub-EM of the extracted answer: 1 if a gold is contained in it, else 0."""
+    """Sub-EM of the extracted answer: 1 if a gold occurs in it as whole words (:func:`contains_answer`), else 0."""
 
     name = "sub_em"
     score = staticmethod(sub_exact_match)

@@ -34,10 +34,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from bridge_pl.checkpoint_io import checkpoint_problem, newest_first
+from bridge_pl.checkpoint_io import checkpoint_problem, newest_first, validation_follows
 from bridge_pl.distributed import max_across_ranks
 from bridge_pl.rollout.engine import STOP_ROLLOUT, RolloutAbandoned
-from callbacks.checkpoint import validation_follows
 
 _HANDLED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 

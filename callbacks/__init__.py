@@ -4,13 +4,14 @@ Each module is thin and calls into ``bridge_pl``.
 """
 
 from callbacks.checkpoint import ValidatedCheckpoint
-from callbacks.credit_report import CreditReport
 from callbacks.index_refresh import IndexRefresh
 from callbacks.landscape import LossLandscape
+from callbacks.miss_report import CreditReport as CreditReport  # MissReport's deprecated name, for old configs
+from callbacks.miss_report import MissReport
 from callbacks.progress import BridgeProgressBar
 from callbacks.qa_eval import QAEval
 from callbacks.warm_start import WarmStart
 
 __all__ = [
-    "BridgeProgressBar", "CreditReport", "IndexRefresh", "LossLandscape", "QAEval", "ValidatedCheckpoint", "WarmStart",
+    "BridgeProgressBar", "IndexRefresh", "LossLandscape", "MissReport", "QAEval", "ValidatedCheckpoint", "WarmStart",
 ]

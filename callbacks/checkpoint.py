@@ -20,21 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from bridge_pl.checkpoint_io import entry_class
-
-
-def validation_follows(trainer: pl.Trainer) -> bool:
-    """Whether a validation with at least one batch runs right after the training iteration that just ended.
-
-    Uses the training loop's own test (Lightning-private; ``tests/test_fault_injection.py`` and
-    ``tests/test_checkpoint.py`` pin what it gives); a validation without batches (no dev set) never calls
-    ``on_validation_end``, so it does not count.
-    """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    if not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
-        return False
-    epoch_loop.val_loop.setup_data()  # what the loop does next anyway (a no-op once set up)
-    return not epoch_loop.val_loop.skip
+from bridge_pl.checkpoint_io import validation_follows
 
 
 def option_problem(keep_last: object, monitor: object) -> str | None:
@@ -51,22 +37,6 @@ def option_problem(keep_last: object, monitor: object) -> str | None:
     return None
 
 
-def callback_problems(callbacks: object) -> list[str]:
-    """What is wrong with the options of each :class:`ValidatedCheckpoint` among a parsed config's
-    ``trainer.callbacks`` (class path and init args, before anything is instantiated), naming the option."""
-    entries = callbacks if isinstance(callbacks, (list, tuple)) else [] if callbacks is None else [callbacks]
-    problems = []
-    for index, entry in enumerate(entries):
-        cls = entry_class(entry)
-        if cls is None or not issubclass(cls, ValidatedCheckpoint):
-            continue
-        init_args = getattr(entry, "init_args", None)
-        problem = option_problem(getattr(init_args, "keep_last", None), getattr(init_args, "monitor", None))
-        if problem:
-            problems.append(f"trainer.callbacks[{index}] (ValidatedCheckpoint): {problem}")
-    return problems
-
-
 class ValidatedCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) that saves an iteration followed by a validation after that validation.
 
@@ -74,8 +44,14 @@ class ValidatedCheckpoint(ModelCheckpoint):
         keep_last: keep the newest N iteration checkpoints (besides ``last.ckpt``), so that a resume finding the
             newest damaged falls back to a whole one (``monitor="step"``, ``mode="max"``, ``save_top_k=N``); None:
             ``ModelCheckpoint``'s own ``monitor`` / ``save_top_k``. The CLI checks it with the other options, before
-            anything loads (:func:`callback_problems`).
+            anything loads (:meth:`init_args_problem`, called by ``bridge_pl.checkpoint_io.callback_problems``).
     """
+
+    @staticmethod
+    def init_args_problem(init_args: object) -> str | None:
+        """What is wrong with the parsed ``init_args`` of a config entry naming this class (see
+        :func:`option_problem`); None when they are fine."""
+        return option_problem(getattr(init_args, "keep_last", None), getattr(init_args, "monitor", None))
 
     def __init__(self, *args, keep_last: int | None = None, **kwargs) -> None:
         if problem := option_problem(keep_last, kwargs.get("monitor")):

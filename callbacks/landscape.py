@@ -2,7 +2,7 @@
 
 What is probed, on a probe fixed once (at the first probe) and reused at every later one:
 
-- ``policy``: the policy surrogate F (``RLProblem.policy_loss``: clipped GRPO/PPO loss + KL) w.r.t. the
+- ``policy``: the policy surrogate F (``BatchLosses.policy_loss``: clipped GRPO/PPO loss + KL) w.r.t. the
   policy's trainable parameters (LoRA adapters) on a fixed rollout batch, the training batch of the first
   probe step (kept on CPU, LM-credit sequences dropped). Advantages and π_old (the policy's log-probs when
   the probe was built) are those of that batch.
@@ -12,7 +12,8 @@ What is probed, on a probe fixed once (at the first probe) and reused at every l
   ℓ = ℓ_θ(d) scored by the policy when the probe is built (docs/method.md section 2); a batch without
   credit searches falls back to ``answer``. ``teacher="answer"``: the first ``probe_queries`` distinct
   questions of the batch, top-K′ candidates by the retriever at probe-creation time (K′ =
-  ``model.retrieval.candidates``), ℓ = 1 where a gold answer occurs in the passage (SQuAD-normalised), else 0.
+  ``model.retrieval.candidates``), ℓ = 1 where a gold answer occurs in the passage as whole words
+  (``bridge_pl.rewards.contains_answer``: SQuAD-normalised tokens), else 0.
   ``teacher="random"``: those queries and candidates with ℓ ~ N(0, 1) from the seeded generator.
 
 For each target: a 1-D slice L(θ + αδ) with ``slice_points`` α in [−span, span], a ``grid_points`` ×
@@ -41,7 +42,7 @@ process would; only rank 0 writes. Computing on every rank rather than rank 0 al
 parameters need (every rank takes part in each forward). DDP: parameters are full on every rank. FSDP2
 (``strategy: fsdp2``): the probe moves each rank's shards of θ by the same full-size direction sharded like the
 parameter, evaluates with the gathered weights dropped first (so the moved shards are used), takes gradients by a
-backward pass, and restores the shards bit-exactly (``bridge_pl.landscape``). Both are tested over gloo against one
+backward pass, and restores the shards bit-exactly (``bridge_pl.loss_surface``). Both are tested over gloo against one
 process. Tensor parallelism is not supported: the callback warns and does nothing.
 
 The probe data lives in the callback only (not in checkpoints): a resumed run builds a new probe at its
@@ -62,13 +63,13 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from bridge_pl import landscape
+from bridge_pl import loss_surface
+from bridge_pl.batch_losses import lower_level_loss
 from bridge_pl.config import require_choice
 from bridge_pl.distributed import is_sharded, reshard
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.files import atomic_write
-from bridge_pl.problem import lower_level_loss
-from bridge_pl.rewards import normalize_answer
+from bridge_pl.rewards import contains_answer
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.seeding import derive_seed
 
@@ -220,14 +221,14 @@ class LossLandscape(pl.Callback):
             teacher = torch.randn(rows.shape, generator=generator)
         else:
             teacher = torch.tensor(
-                [[float(r >= 0 and _contains_answer(retriever.passage(r).contents, golds[q])) for r in row]
+                [[float(r >= 0 and contains_answer(retriever.passage(r).contents, golds[q])) for r in row]
                  for q, row in zip(questions, rows.tolist())]
             )
         return RetrieverProbe(questions, rows, teacher)
 
     @staticmethod
     def _build_rollout(batch: RolloutBatch) -> RolloutBatch:
-        """The batch on CPU, without LM-credit sequences (F needs none; RLProblem would score them)."""
+        """The batch on CPU, without LM-credit sequences (F needs none; BatchLosses would score them)."""
         no_credit = torch.zeros(0, dtype=torch.long)
         return replace(move_data_to_device(batch, "cpu"), credit_searches=no_credit, credit_sequences=[])
 
@@ -249,10 +250,10 @@ class LossLandscape(pl.Callback):
             if "retriever" in results and psi is not None and self.pl_steps > 0:
                 params = [p for p in psi.parameters() if p.requires_grad]
                 g_psi = self._g_loss(pl_module, psi)
-                losses, grad_sq = landscape.descent_trace(g_psi, params, self.pl_lr, self.pl_steps)
+                losses, grad_sq = loss_surface.descent_trace(g_psi, params, self.pl_lr, self.pl_steps)
                 results["retriever"].update(
                     pl_losses=np.array(losses), pl_grad_sq=np.array(grad_sq),
-                    pl_mu=np.array(landscape.pl_estimate(losses, grad_sq)),
+                    pl_mu=np.array(loss_surface.pl_estimate(losses, grad_sq)),
                 )
         if sharded:  # the gathered copies hold the last probed point, not θ
             reshard(pl_module.policy.model)
@@ -308,21 +309,21 @@ class LossLandscape(pl.Callback):
         self, loss_fn: Callable[[], torch.Tensor], params: list[torch.Tensor], seed: int
     ) -> dict[str, np.ndarray]:
         generator = torch.Generator().manual_seed(seed)
-        delta = landscape.filter_normalized_direction(params, generator, self.zero_row_norm)
-        eta = landscape.filter_normalized_direction(params, generator, self.zero_row_norm)
+        delta = loss_surface.filter_normalized_direction(params, generator, self.zero_row_norm)
+        eta = loss_surface.filter_normalized_direction(params, generator, self.zero_row_norm)
         alphas = torch.linspace(-self.span, self.span, self.slice_points, dtype=torch.float64)
         grid = torch.linspace(-self.span, self.span, self.grid_points, dtype=torch.float64)
         with torch.no_grad():
             center = float(loss_fn())
-        sharpness, history = landscape.top_hessian_eigenvalue(
+        sharpness, history = loss_surface.top_hessian_eigenvalue(
             loss_fn, params, generator, iters=self.power_iters, eps=self.fd_eps
         )
         return {
             "loss": np.array(center),
             "alphas": alphas.numpy(),
-            "slice": landscape.slice_1d(loss_fn, params, delta, alphas).numpy(),
+            "slice": loss_surface.slice_1d(loss_fn, params, delta, alphas).numpy(),
             "grid_coords": grid.numpy(),
-            "grid": landscape.grid_2d(loss_fn, params, (delta, eta), grid, grid).numpy(),
+            "grid": loss_surface.grid_2d(loss_fn, params, (delta, eta), grid, grid).numpy(),
             "sharpness": np.array(sharpness),
             "power_history": np.array(history),
         }
@@ -340,12 +341,6 @@ class LossLandscape(pl.Callback):
         out.mkdir(parents=True, exist_ok=True)
         flat = {f"{target}_{name}": v for target, arrays in results.items() for name, v in arrays.items()}
         atomic_write(out / f"step{step}.npz", lambda f: np.savez(f, step=np.array(step), **flat))
-
-
-def _contains_answer(text: str, golds: list[str]) -> bool:
-    haystack = normalize_answer(text)
-    needles = [normalize_answer(g) for g in golds]
-    return any(n and n in haystack for n in needles)
 
 
 def _scalars(results: dict[str, dict[str, np.ndarray]]) -> dict[str, float]:

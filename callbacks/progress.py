@@ -34,7 +34,7 @@ def plain_line(text: str) -> None:
 
 
 class BridgeProgressBar(_BASE):
-    """Shows ``metrics`` (any names logged so far, e.g. ``reward``, ``val/em``, ``credit/retrieval_miss_rate``).
+    """Shows ``metrics`` (any names logged so far, e.g. ``reward``, ``val/em``, ``miss/retrieval_miss_rate``).
 
     Without a terminal it prints instead, per iteration, ``iteration i/N: reward R, groups with signal G, S s``
     (S: seconds since the previous line, the rollout included) and, per evaluation, each dataset's EM and the seconds

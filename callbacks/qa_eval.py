@@ -50,11 +50,11 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from bridge_pl.credit_analysis import trajectory_searches
-from bridge_pl.data.qa import Passage
 from bridge_pl.distributed import interleave, join_at_rank_zero, process_rank, share_from_rank_zero, wait_for_ranks
 from bridge_pl.judge import Judge, JudgeCache, apply_verdicts, judge_verdicts, summarize
 from bridge_pl.metrics import set_means, trajectory_scores
+from bridge_pl.miss_analysis import trajectory_searches
+from bridge_pl.records import Passage
 from bridge_pl.rollout.batch import RolloutBatch
 from callbacks.progress import plain_line
 

@@ -1,4 +1,4 @@
-"""``WarmStart``: a short supervised phase on search demonstrations before RL (see bridge_pl.warm_start)."""
+"""``WarmStart``: a short supervised phase on search demonstrations before RL (see bridge_pl.demonstrations)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
+from bridge_pl.demonstrations import demonstration_segments, sft_loss, tokenize_demonstration
 from bridge_pl.distributed import average_replicated_grads
-from bridge_pl.metrics import QAMetrics
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
-from bridge_pl.warm_start import demonstration_segments, sft_loss, tokenize_demonstration
 from callbacks.progress import plain_line, stdout_is_terminal
 
 
@@ -27,7 +26,7 @@ class WarmStart(L.Callback):
     Args:
         steps: optimizer steps. batch_size: demonstrations per step. lr: AdamW learning rate.
         noise: probability that a demonstration's hop query is replaced by a weaker one (the raw question, or
-            the hop's entity alone when the raw question was searched already; ``bridge_pl.warm_start``).
+            the hop's entity alone when the raw question was searched already; ``bridge_pl.demonstrations``).
         source: QA source of the demonstrations (default: the datamodule's training set).
         seed: seeds which examples are used and the noise (None, the default: the datamodule's seed).
         evaluate: measure greedy EM on the validation sets after the warm start, and before it unless
@@ -62,17 +61,12 @@ class WarmStart(L.Callback):
         """Greedy EM on every validation set, with the module's current policy and retriever."""
         data = trainer.datamodule
         self.em[when] = {}
-        for name, source in data.val_sources.items():
-            examples = data.load(source, data.max_eval_examples)
-            metric = QAMetrics().to(pl_module.device)
-            # the forwards run in the steps' precision context (bf16-mixed: autocast), which Lightning opens only
-            # around its own steps: the EM after the warm start is step 0 of the val/<dataset>/em curve
-            with trainer.precision_plugin.forward_context():
-                for start in range(0, len(examples), data.eval_batch_size):
-                    metric.update_from_rollouts(
-                        data.rollout(pl_module, examples[start : start + data.eval_batch_size], False, name))
-            result = metric.compute()
-            values = {key: float(result[key]) for key in ("em", "accuracy") if key in result}
+        # the forwards run in the steps' precision context (bf16-mixed: autocast), which Lightning opens only around
+        # its own steps: the EM after the warm start is step 0 of the val/<dataset>/em curve
+        with trainer.precision_plugin.forward_context():
+            results = data.evaluate(pl_module)
+        for name, result in results.items():
+            values = {key: result[key] for key in ("em", "accuracy") if key in result}
             self.em[when][name] = values["em"]
             if "accuracy" in values:  # multiple-choice questions: their accuracy, as val/<name>/accuracy
                 self.accuracy.setdefault(when, {})[name] = values["accuracy"]
@@ -82,8 +76,8 @@ class WarmStart(L.Callback):
                     metrics.update({f"val/{name}/{key}": value for key, value in values.items()})
                 trainer.logger.log_metrics(metrics, step=0)
             shown = ", ".join(f"{key} {value:.3f}" for key, value in values.items())
-            rank_zero_info(f"WarmStart: {name} {when} warm start: {shown} ({len(examples)} questions, "
-                           f"{sum(bool(ex.metadata.get('options')) for ex in examples)} multiple choice)")
+            rank_zero_info(f"WarmStart: {name} {when} warm start: {shown} ({result['questions']:.0f} questions, "
+                           f"{result['multiple_choice']:.0f} multiple choice)")
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.ckpt_path is not None or trainer.global_step > 0:
@@ -94,7 +88,7 @@ class WarmStart(L.Callback):
         data = trainer.datamodule
         policy = pl_module.policy
         tokenizer = policy.tokenizer
-        env = SearchEnv(data.env_config, tokenizer)
+        env = SearchEnv(data.collector.prompts.env, tokenizer)
         examples = data.load(self.source or data.train_source)
         seed = self.seed if self.seed is not None else data.seed
         rng = random.Random(derive_seed(seed, "warm_start", trainer.global_rank))
@@ -112,7 +106,7 @@ class WarmStart(L.Callback):
                     example, env, lambda qs: pl_module.retrieve(qs, stochastic=False), rng, self.noise,
                     self.choice_answer,
                 )
-                prompt = data.prompt_ids(tokenizer, example.question, example.metadata.get("options"))
+                prompt = data.collector.prompts.ids(tokenizer, example.question, example.metadata.get("options"))
                 demos.append(tokenize_demonstration(prompt, segments, tokenizer))
             with trainer.precision_plugin.forward_context():  # the forward only, as in Lightning's steps
                 loss = sft_loss(policy, demos)

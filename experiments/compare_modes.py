@@ -5,7 +5,7 @@ Variants: ``frozen`` (Search-R1), ``policy_first``, ``retriever_first``, ``bridg
 subprocess. Per seed, the config's ``WarmStart`` runs once (``<runs>/warm_seed<seed>``: the adapter and the dev EM
 after it, the curves' step 0); every variant of that seed then starts from that adapter (``policy.adapter``), so
 the variants differ only in what happens after it. Each (variant, seed) is one ``fit`` + ``test``; it records
-``val/<dev>/em`` at every validation, the test metrics (``test/<test>/em``, ``f1``; ``CreditReport``'s
+``val/<dev>/em`` at every validation, the test metrics (``test/<test>/em``, ``f1``; ``MissReport``'s
 retrieval-miss share and recall@k; ``hop recall@k``), from ``QAEval``'s predictions file each test question's EM
 and the share of questions answered without a search, and its own peak RSS and fit time, into
 ``<runs>/<variant>_seed<seed>/result.json``.
@@ -66,13 +66,12 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from bridge_pl.bilevel import mode_arguments
 from bridge_pl.cli import BridgeCLI
-from bridge_pl.data.qa import QAExample
-from bridge_pl.data.world import hop_probes
+from bridge_pl.miss_analysis import retriever_hop_recall
 from bridge_pl.module import BridgeModule
 from bridge_pl.policy import resolve_dtype
 from callbacks.checkpoint import ValidatedCheckpoint
-from callbacks.credit_report import CreditReport
 from callbacks.landscape import LossLandscape
+from callbacks.miss_report import MissReport
 from callbacks.qa_eval import QAEval
 from callbacks.warm_start import WarmStart
 
@@ -86,8 +85,8 @@ VARIANTS = {
 }
 WARM = "warm"  # the per-seed warm start's run folder and worker name
 # table column -> test metric name under test/<dataset>/
-COLUMNS = {"EM": "em", "F1": "f1", "retrieval-miss share": "credit/retrieval_miss_rate", "recall@k": "credit/recall@k"}
-HOP_RECALL = "hop recall@k"  # the query encoder on the world's own hop queries (hop_recall)
+COLUMNS = {"EM": "em", "F1": "f1", "retrieval-miss share": "miss/retrieval_miss_rate", "recall@k": "miss/recall@k"}
+HOP_RECALL = "hop recall@k"  # the query encoder on the world's own hop queries (retriever_hop_recall)
 # test questions answered without a single search: a policy that stops searching (and often stops closing its
 # answer tag) scores near 0 on 2-hop questions, which the EM column alone does not explain
 NO_SEARCH = "no-search share"
@@ -245,15 +244,6 @@ def build_cli(args: argparse.Namespace, overrides: list[str], name: str, seed: i
     return cli
 
 
-def hop_recall(module: BridgeModule, examples: list[QAExample]) -> float:
-    """Recall@k (k = ``model.retrieval.top_k``) of the module's retriever, with its current query encoder, on the
-    gold passage of every hop of ``examples`` (``hop_probes``: the world's own hop queries, not the policy's)."""
-    pairs = [pair for probe in hop_probes(examples).values() for pair in probe]
-    _, rows = module.retriever.search([query for query, _ in pairs], module.retrieval_config.top_k)
-    return statistics.mean(gold in {module.retriever.passage(r).id for r in top}
-                           for (_, gold), top in zip(pairs, rows.tolist()))
-
-
 def predictions_writer(trainer: L.Trainer) -> QAEval:
     """The trainer's ``QAEval`` that writes predictions files, added when the config has none: the claims'
     per-question outcomes and the no-search share come from its test file."""
@@ -275,14 +265,16 @@ def predictions_summary(path: Path) -> dict:
 
 def test_metrics(trainer: L.Trainer, module: BridgeModule, data, qa_eval: QAEval) -> dict:
     """The table's test columns for ``module``: the config's first test set, whole (``data.max_eval_examples`` caps
-    the dev set only), then ``hop recall@k`` on it, and from ``qa_eval``'s predictions file the no-search share
-    and each question's EM."""
+    the dev set only), then ``hop recall@k`` on it (k = ``model.retrieval.top_k``), and from ``qa_eval``'s
+    predictions file the no-search share and each question's EM."""
     test = next(iter(data.test_sources))
     data.max_eval_examples = None
     metrics = {k: v for per_loader in trainer.test(module, data, verbose=False) for k, v in per_loader.items()}
     predictions = next(p for p in reversed(qa_eval.written) if p.name.startswith(f"test_{test}_step"))
     return {**{column: metrics.get(f"test/{test}/{name}", math.nan) for column, name in COLUMNS.items()},
-            HOP_RECALL: hop_recall(module, data.load(data.test_sources[test])), **predictions_summary(predictions)}
+            HOP_RECALL: retriever_hop_recall(module.retriever, data.load(data.test_sources[test]),
+                                             module.retrieval_config.top_k),
+            **predictions_summary(predictions)}
 
 
 def warm_start(args: argparse.Namespace, overrides: list[str], seed: int) -> dict:
@@ -316,8 +308,8 @@ def train_and_test(args: argparse.Namespace, overrides: list[str], variant: str,
     dev = next(iter(data.val_sources))
     curve = DevCurve(dev)
     trainer.callbacks.append(curve)
-    if not any(isinstance(c, CreditReport) for c in trainer.callbacks):
-        trainer.callbacks.append(CreditReport(log_train=False))
+    if not any(isinstance(c, MissReport) for c in trainer.callbacks):
+        trainer.callbacks.append(MissReport(log_train=False))
     qa_eval = predictions_writer(trainer)
     checkpoints = run_dir(args, variant, seed) / "checkpoints"
     started = {"setup": setup(args, overrides), "warm_adapter": adapter_digest(args, seed, warm)}
@@ -568,7 +560,7 @@ def markdown(results: dict[str, list[dict]], warm: list[dict], args: argparse.Na
         + (f"; **not yet run: {', '.join(missing)}**" if missing else "") + ". "
         "Test metrics on the config's first test set, whole; mean ± std over seeds (one number: one seed; n/a: "
         "undefined in every run, e.g. no failed trajectory). recall@k: gold passages among those shown to the "
-        "policy for its own queries (`CreditReport`); hop recall@k: the query encoder alone, on the world's own "
+        "policy for its own queries (`MissReport`); hop recall@k: the query encoder alone, on the world's own "
         "hop queries. Peak memory: each run's peak RSS (whole process) by the end of its test; time: `trainer.fit` "
         "wall time (RL iterations + validations; the shared warm start is not included). Dev-EM curve: mean dev "
         "EM at each validation, step 0 being the warm-started policy every mode of a seed starts from (the `warm "

@@ -61,7 +61,7 @@ def bigram_bias(model, table: dict[int, dict[int, float]], generation_only: bool
 
     def hook(module, args, kwargs, output):
         assert not generation_only or (not torch.is_grad_enabled() and _inside_rollout_engine()), (
-            "bigram_bias fired outside RolloutEngine generation: a loss forward would see steered logits"
+            "bigram_bias fired outside HFRolloutEngine generation: a loss forward would see steered logits"
         )
         inputs = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
         logits = output.logits

@@ -31,7 +31,7 @@ from bridge_pl.judge import Judge, Reply
 from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.dense import DenseRetriever
 from bridge_pl.rewards import RewardFunction
-from bridge_pl.rollout.engine import RolloutEngine
+from bridge_pl.rollout.engine import HFRolloutEngine
 
 
 class HashedBagEncoder(nn.Module):
@@ -130,7 +130,7 @@ class KillAt(L.Callback):
         self.point, self.count, self.seen = point, count, 0
         self.signum = signal.Signals[signal_name]
         targets = {
-            "rollout": (RolloutEngine, "_env_step"),
+            "rollout": (HFRolloutEngine, "_env_step"),
             "update": (ParamUpdate, "apply_grads"),
             "refresh": (DenseRetriever, "refresh_index"),
             "checkpoint": (os, "replace"),
@@ -166,16 +166,16 @@ class PromptLog(L.Callback):
         self.path = path
 
     def on_fit_start(self, trainer, pl_module):
-        data = trainer.datamodule
-        generate = data._generate
+        collector = trainer.datamodule.collector
+        generate = collector.generate
 
-        def logged(module, examples, training):
+        def logged(agent, examples, training):
             if training:
                 with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
                     f.write(json.dumps({"step": trainer.global_step, "ids": [ex.id for ex in examples]}) + "\n")
-            return generate(module, examples, training)
+            return generate(agent, examples, training)
 
-        data._generate = logged
+        collector.generate = logged
 
 
 class SearchSteer(L.Callback):

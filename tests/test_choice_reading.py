@@ -233,7 +233,7 @@ def test_a_letter_form_is_its_letter_whatever_the_option_texts(options):
 @pytest.mark.parametrize(("options", "answer", "letter", "why"), TABLE, ids=IDS)
 def test_the_stored_answer_reads_back_as_the_letter_it_was_read_as(options, answer, letter, why):
     """A batch stores a multiple-choice answer as its letter (as written when it names none); a caller that has only
-    that text (the credit report) reads the same letter from it."""
+    that text reads the same letter from it."""
     assert choice_letter(letter or answer, options) == letter
 
 
@@ -261,7 +261,7 @@ def test_reward_accuracy_and_predictions_file_agree_on_every_case(tiny):
     examples = [QAExample(f"q{i}", "Which one?", [gold], {"options": options, "type": "t"})
                 for i, (options, _, _, gold) in enumerate(cases)]
     trajectories = [_written(tokenizer, f"<think>x</think><answer>{answer}</answer>") for _, answer, _, _ in cases]
-    scores = data._score(module, trajectories, examples)
+    scores = data.collector.score(module.policy.tokenizer, trajectories, examples)
     assert [score.choice for score in scores] == [letter for _, _, letter, _ in cases]  # the table's reading
     half = len(cases) // 2
     per_set, records = {}, []

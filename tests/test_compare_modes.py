@@ -231,7 +231,7 @@ def test_a_record_made_before_the_config_was_edited_is_refused(tmp_path):
     config.write_text(runs_replace)
     compare_modes.main(argv)
     for edited in (Path(TINY).read_text().replace("n_samples: 2", "n_samples: 3"),
-                   runs_replace.replace("callbacks.LossLandscape", "callbacks.CreditReport")):
+                   runs_replace.replace("callbacks.LossLandscape", "callbacks.MissReport")):
         config.write_text(edited)
         with pytest.raises(ValueError, match="frozen_seed0.json was made with setup .*config_sha256"):
             compare_modes.main(argv)

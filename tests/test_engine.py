@@ -1,4 +1,4 @@
-"""RolloutEngine with the tiny random Llama, a real FAISS index, and a bigram logit bias to steer turns.
+"""HFRolloutEngine with the tiny random Llama, a real FAISS index, and a bigram logit bias to steer turns.
 
 The tiny model is random, so a forward hook adds a large bias to chosen next tokens after chosen input
 tokens ("after '<' prefer 'search'"). The bias is a function of each position's own input token only, so
@@ -20,7 +20,7 @@ from helpers import bigram_bias
 from bridge_pl.attention import MIN_SHARED_PREFIX
 from bridge_pl.models import load_causal_lm, load_tokenizer
 from bridge_pl.records import Passage
-from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
+from bridge_pl.rollout import EnvConfig, HFRolloutEngine, SearchEnv, SearchOutcome
 from bridge_pl.rollout.engine import _common_prefix_length
 
 BIAS = 30.0
@@ -120,7 +120,7 @@ def grammar_table(tok) -> dict[int, dict[int, float]]:
 
 
 def test_multi_turn_observations_are_exactly_what_faiss_returned(model, tok, env):
-    engine = RolloutEngine(env, max_turns=3, max_new_tokens_per_turn=12, max_response_tokens=1000)
+    engine = HFRolloutEngine(env, max_turns=3, max_new_tokens_per_turn=12, max_response_tokens=1000)
     prompts = [ids(tok, "Question: what comes after alpha?\n"), ids(tok, "Q: capital of France?\n")]
     begin = [p[-1] for p in prompts] + [ids(tok, env.observation([]))[-1], ids(tok, env.invalid_message)[-1]]
     lt, sp_lt, the = one(tok, "<"), one(tok, " <"), one(tok, " the")
@@ -168,7 +168,7 @@ def test_multi_turn_observations_are_exactly_what_faiss_returned(model, tok, env
 def test_masks_token_by_token_on_a_hand_built_trajectory(model, tok, env):
     """Turn 1 searches 'alpha' and closes the tag with unusual tokens ('se' 'arch' '>.'): the ids kept
     are the sampled ones, up to and including the token that completes '</search>'. Turn 2 answers."""
-    engine = RolloutEngine(env, max_turns=2, max_new_tokens_per_turn=20, max_response_tokens=1000)
+    engine = HFRolloutEngine(env, max_turns=2, max_new_tokens_per_turn=20, max_response_tokens=1000)
     prompt = ids(tok, "Question: first Greek letter?\n")
     t = {s: one(tok, s) for s in ["<", " <", "</", "search", "se", "arch", "answer", ">", ">.", "alpha", "Paris"]}
     turn1 = [t["<"], t["search"], t[">"], t["alpha"], t["</"], t["se"], t["arch"], t[">."]]
@@ -208,7 +208,7 @@ def test_kv_cache_decoding_equals_full_prefix_greedy(model, tok, env, lead):
     """Greedy tokens from the cached engine (left padding, holes, pruning, compaction, a shared prompt
     prefix fed once) equal the argmax of a plain full-sequence forward over the recorded prefix, at every
     sampled position."""
-    engine = RolloutEngine(env, max_turns=3, max_new_tokens_per_turn=9, max_response_tokens=1000)
+    engine = HFRolloutEngine(env, max_turns=3, max_new_tokens_per_turn=9, max_response_tokens=1000)
     lt, sp_lt = one(tok, "<"), one(tok, " <")
     texts = ["Search please:", "a somewhat longer prompt, then answer?", "free"]
     prompts = [ids(tok, lead + text) for text in texts]
@@ -233,23 +233,23 @@ def test_kv_cache_decoding_equals_full_prefix_greedy(model, tok, env, lead):
 def test_sampling_is_reproducible_and_tiny_top_p_is_greedy(model, tok, env):
     prompts = [ids(tok, "Who wrote Hamlet?"), ids(tok, "x")]
     search = FaissSearch()
-    sample = RolloutEngine(env, max_turns=1, max_new_tokens_per_turn=8, temperature=1.0)
+    sample = HFRolloutEngine(env, max_turns=1, max_new_tokens_per_turn=8, temperature=1.0)
     a = sample.generate(model, tok, prompts, search, n_samples=3, generator=torch.Generator().manual_seed(1))
     b = sample.generate(model, tok, prompts, search, n_samples=3, generator=torch.Generator().manual_seed(1))
     assert [t.response_ids for t in a] == [t.response_ids for t in b]
     assert len({tuple(t.response_ids) for t in a}) > 2  # samples differ at temperature 1
     greedy = sample.generate(model, tok, prompts, search, greedy=True)
-    nucleus = RolloutEngine(env, max_turns=1, max_new_tokens_per_turn=8, top_p=1e-6)
+    nucleus = HFRolloutEngine(env, max_turns=1, max_new_tokens_per_turn=8, top_p=1e-6)
     tiny_p = nucleus.generate(model, tok, prompts, search, generator=torch.Generator().manual_seed(2))
     assert [t.response_ids for t in tiny_p] == [t.response_ids for t in greedy]
 
 
 def test_token_budgets(model, tok, env):
     prompts = [ids(tok, "Question?"), ids(tok, "Another question here?")]
-    per_turn = RolloutEngine(env, max_turns=2, max_new_tokens_per_turn=5, max_response_tokens=1000)
+    per_turn = HFRolloutEngine(env, max_turns=2, max_new_tokens_per_turn=5, max_response_tokens=1000)
     for traj in per_turn.generate(model, tok, prompts, FaissSearch(), greedy=True):
         assert all(len(run) <= 5 for m, run in segments(traj) if m == 1)
-    total = RolloutEngine(env, max_turns=4, max_new_tokens_per_turn=30, max_response_tokens=70)
+    total = HFRolloutEngine(env, max_turns=4, max_new_tokens_per_turn=30, max_response_tokens=70)
     for traj in total.generate(model, tok, prompts, FaissSearch(), greedy=True):
         assert len(traj.response_ids) <= 70 and not traj.finished
 
@@ -259,7 +259,7 @@ def test_eval_mode_no_grad_and_mode_restored(model, tok, env):
     handle = model.register_forward_hook(lambda m, a, o: seen.append((m.training, torch.is_grad_enabled())))
     model.train()
     try:
-        RolloutEngine(env, max_turns=1, max_new_tokens_per_turn=3).generate(
+        HFRolloutEngine(env, max_turns=1, max_new_tokens_per_turn=3).generate(
             model, tok, [ids(tok, "hi")], FaissSearch(), greedy=True
         )
     finally:
@@ -267,7 +267,7 @@ def test_eval_mode_no_grad_and_mode_restored(model, tok, env):
     assert model.training
     assert seen and all(s == (False, False) for s in seen)
     model.eval()
-    RolloutEngine(env, max_turns=1, max_new_tokens_per_turn=3).generate(
+    HFRolloutEngine(env, max_turns=1, max_new_tokens_per_turn=3).generate(
         model, tok, [ids(tok, "hi")], FaissSearch(), greedy=True
     )
     assert not model.training
@@ -280,7 +280,7 @@ def test_the_lm_head_gets_each_rows_last_position_contiguous(model, tok, env):
     head_inputs = []
     handle = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: head_inputs.append(args[0]))
     try:
-        RolloutEngine(env, max_turns=1, max_new_tokens_per_turn=3).generate(
+        HFRolloutEngine(env, max_turns=1, max_new_tokens_per_turn=3).generate(
             model, tok, [ids(tok, "Who wrote Hamlet?"), ids(tok, "x")], FaissSearch(), greedy=True
         )
     finally:
@@ -290,15 +290,15 @@ def test_the_lm_head_gets_each_rows_last_position_contiguous(model, tok, env):
 
 
 def test_bad_inputs(model, tok, env):
-    engine = RolloutEngine(env, max_turns=1, max_new_tokens_per_turn=8)
+    engine = HFRolloutEngine(env, max_turns=1, max_new_tokens_per_turn=8)
     with pytest.raises(ValueError, match="prompts"):
         engine.generate(model, tok, [[]], FaissSearch())
     with pytest.raises(ValueError, match="max_turns"):
-        RolloutEngine(env, max_turns=0)
+        HFRolloutEngine(env, max_turns=0)
     with pytest.raises(ValueError, match="temperature"):
-        RolloutEngine(env, temperature=0.0)
+        HFRolloutEngine(env, temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
-        RolloutEngine(env, top_p=0.0)
+        HFRolloutEngine(env, top_p=0.0)
     prompt = ids(tok, "go")
     with bigram_bias(model, grammar_table(tok) | chain([prompt[-1], one(tok, "<")])):
         with pytest.raises(ValueError, match="2 outcomes for 1 queries"):
@@ -309,7 +309,7 @@ def test_bad_inputs(model, tok, env):
 def test_the_steering_helper_refuses_to_bias_a_forward_outside_generation(model):
     """``bigram_bias`` steers generation only; a forward elsewhere (as in a loss) fails the test that made it."""
     ids = torch.tensor([[1, 2, 3]])
-    with bigram_bias(model, {}), torch.no_grad(), pytest.raises(AssertionError, match="outside RolloutEngine"):
+    with bigram_bias(model, {}), torch.no_grad(), pytest.raises(AssertionError, match="outside HFRolloutEngine"):
         model(input_ids=ids)
-    with bigram_bias(model, {}), pytest.raises(AssertionError, match="outside RolloutEngine"):
+    with bigram_bias(model, {}), pytest.raises(AssertionError, match="outside HFRolloutEngine"):
         model(input_ids=ids)

@@ -217,7 +217,7 @@ class RecordEngine(L.Callback):
         self.gaps.append(float(trainer.callback_metrics["rollout/sampler_logprob_gap"]))
 
     def on_train_end(self, trainer, pl_module):
-        engine = trainer.datamodule._engine
+        engine = trainer.datamodule.collector.engine
         val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         record = {"engine": engine.name, "syncs": engine.syncs, "gaps": self.gaps, "val": val}
         (self.out / f"engine{trainer.global_rank}.json").write_text(json.dumps(record))

@@ -10,9 +10,20 @@ import types
 from pathlib import Path
 
 import pytest
-from test_credit_report import PASSAGES, rollout_batch
+from test_miss_report import PASSAGES, rollout_batch
 
-from bridge_pl.judge import JUDGE_PROMPT, HFJudge, JudgeCache, OpenAIJudge, judge_prompt, judge_records, parse_score
+from bridge_pl.judge import (
+    JUDGE_PROMPT,
+    HFJudge,
+    JudgeCache,
+    JudgeSummary,
+    OpenAIJudge,
+    apply_verdicts,
+    judge_prompt,
+    judge_verdicts,
+    parse_score,
+    summarize,
+)
 from callbacks.qa_eval import QAEval
 
 DOCS = Path(__file__).parents[1] / "docs" / "medical.md"
@@ -26,6 +37,13 @@ DOCS = Path(__file__).parents[1] / "docs" / "medical.md"
 ])
 def test_parse_score(reply, score):
     assert parse_score(reply) == score
+
+
+def judge_all(judge, records, cache) -> JudgeSummary:
+    """Judge ``records`` in place and sum them up, by the steps QAEval runs (each rank's share, then the set)."""
+    verdicts = judge_verdicts(judge, records, cache)
+    apply_verdicts(records, verdicts)
+    return summarize(verdicts)
 
 
 def _record(question="Which cell makes insulin?", response="<think>islets</think>\n<answer> C </answer>",
@@ -93,7 +111,7 @@ def test_the_endpoint_judge_scores_counts_and_resumes_from_its_cache(endpoint, t
     questions = ["good", "flaky", "chatty", "refused", "garbled"]
     records = [_record(question=q) for q in questions]
     cache = JudgeCache(tmp_path / "cache.jsonl")
-    summary = judge_records(judge, records, cache)
+    summary = judge_all(judge, records, cache)
     assert [r["reasoning_quality"] for r in records] == [4, 2, None, None, None]
     assert (summary.judged, summary.unparsed, summary.failed) == (2, 1, 2)
     assert summary.reasoning_quality == pytest.approx(3.0)
@@ -103,7 +121,7 @@ def test_the_endpoint_judge_scores_counts_and_resumes_from_its_cache(endpoint, t
     assert _Endpoint.calls == {"good": 1, "flaky": 2, "chatty": 1, "refused": 1, "garbled": 1}  # 400: no retry
     # resume: a new cache object on the same file asks again only for the two that got no reply
     again = [_record(question=q) for q in questions]
-    summary = judge_records(judge, again, JudgeCache(tmp_path / "cache.jsonl"))
+    summary = judge_all(judge, again, JudgeCache(tmp_path / "cache.jsonl"))
     assert _Endpoint.calls == {"good": 1, "flaky": 2, "chatty": 1, "refused": 2, "garbled": 2}
     assert [r["reasoning_quality"] for r in again] == [4, 2, None, None, None] and summary.failed == 2
     with open(tmp_path / "cache.jsonl", "a") as f:
@@ -130,7 +148,7 @@ def test_an_unreachable_endpoint_counts_every_row_as_failed(tmp_path, endpoint):
     closed = endpoint.rsplit(":", 1)[0] + ":9/v1"  # the discard port on 127.0.0.1: nothing listens
     judge = OpenAIJudge(closed, "judge-model", retries=0, timeout=2)
     records = [_record(question="good"), _record(question="flaky")]
-    summary = judge_records(judge, records, JudgeCache(tmp_path / "cache.jsonl"))
+    summary = judge_all(judge, records, JudgeCache(tmp_path / "cache.jsonl"))
     assert (summary.judged, summary.unparsed, summary.failed, summary.reasoning_quality) == (0, 0, 2, None)
     assert records[0]["judge_reply"].startswith("error: no reply from http://127.0.0.1:9/v1")
     assert not (tmp_path / "cache.jsonl").exists()
@@ -146,7 +164,7 @@ def test_smollm2_as_the_judge_gives_a_score_or_a_counted_parse_failure_for_every
         _record(prediction=None, response="<think> I do not know </think>"),
     ]
     cache = JudgeCache(tmp_path / "cache.jsonl")
-    summary = judge_records(judge, records, cache)
+    summary = judge_all(judge, records, cache)
     assert summary.failed == 0 and summary.judged + summary.unparsed == 3
     for record in records:
         assert isinstance(record["judge_reply"], str)

@@ -20,10 +20,10 @@ from helpers import searching, tiny_cli, tiny_module
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from bridge_pl import landscape
+from bridge_pl import loss_surface
+from bridge_pl.batch_losses import BatchLosses
 from bridge_pl.config import RetrievalSampling
 from bridge_pl.policy import Policy
-from bridge_pl.problem import RLProblem
 from callbacks.landscape import LossLandscape
 
 # zero_row_norm > 0: LoRA B is all zero at init, so Li et al.'s rule alone would leave the policy slice flat
@@ -53,11 +53,11 @@ def test_filter_normalized_direction():
     w = torch.randn(4, 3)
     w[2] = 0.0  # an all-zero row, like LoRA B at init
     params = [w, torch.randn(3), torch.randn(2, 2, 2)]
-    d = landscape.filter_normalized_direction(params, torch.Generator().manual_seed(1))
+    d = loss_surface.filter_normalized_direction(params, torch.Generator().manual_seed(1))
     assert torch.allclose(d[0].norm(dim=1)[[0, 1, 3]], w.norm(dim=1)[[0, 1, 3]])
     assert torch.equal(d[0][2], torch.zeros(3)) and torch.equal(d[1], torch.zeros(3))  # zero row, 1-D param
     assert torch.allclose(d[2].reshape(2, -1).norm(dim=1), params[2].reshape(2, -1).norm(dim=1))
-    again = landscape.filter_normalized_direction(params, torch.Generator().manual_seed(1), zero_row_norm=0.5)
+    again = loss_surface.filter_normalized_direction(params, torch.Generator().manual_seed(1), zero_row_norm=0.5)
     assert torch.equal(again[0][[0, 1, 3]], d[0][[0, 1, 3]]) and math.isclose(float(again[0][2].norm()), 0.5)
 
 
@@ -65,8 +65,8 @@ def test_slices_match_the_closed_form_and_restore_exactly():
     loss, params, hessian, b = quadratic([6.0, 3.0, 1.0, 0.5, 0.2, 0.1, 0.05, 0.01])
     before = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(0)
-    delta = landscape.filter_normalized_direction(params, g)
-    eta = landscape.filter_normalized_direction(params, g)
+    delta = loss_surface.filter_normalized_direction(params, g)
+    eta = loss_surface.filter_normalized_direction(params, g)
     alphas = torch.linspace(-1, 1, 5, dtype=torch.float64)
     x0 = torch.cat([p.detach().reshape(-1) for p in params])
     dx, dy = (torch.cat([t.reshape(-1) for t in d]) for d in (delta, eta))
@@ -75,11 +75,11 @@ def test_slices_match_the_closed_form_and_restore_exactly():
         x = x0 + a * dx + c * dy
         return float(0.5 * x @ hessian @ x - b @ x)
 
-    grid = landscape.grid_2d(loss, params, (delta, eta), alphas, alphas[:3])
+    grid = loss_surface.grid_2d(loss, params, (delta, eta), alphas, alphas[:3])
     assert grid.shape == (5, 3)
     expected = [exact(a, c) for a in alphas.tolist() for c in alphas[:3].tolist()]
     assert grid.reshape(-1).tolist() == pytest.approx(expected)
-    curve = landscape.slice_1d(loss, params, delta, alphas)
+    curve = loss_surface.slice_1d(loss, params, delta, alphas)
     assert curve.tolist() == pytest.approx([exact(a, 0.0) for a in alphas.tolist()])
     assert all(torch.equal(p, q) for p, q in zip(params, before))
 
@@ -87,19 +87,19 @@ def test_slices_match_the_closed_form_and_restore_exactly():
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        landscape.slice_1d(failing, params, delta, alphas)
+        loss_surface.slice_1d(failing, params, delta, alphas)
     assert all(torch.equal(p, q) for p, q in zip(params, before))  # restored on error too
 
 
 def test_sharpness_is_the_top_eigenvalue():
     loss, params, hessian, _ = quadratic([6.0, 3.0, 1.0, 0.5, 0.2, 0.1, 0.05, 0.01])
     before = [p.detach().clone() for p in params]
-    top, history = landscape.top_hessian_eigenvalue(loss, params, torch.Generator().manual_seed(0), iters=60,
+    top, history = loss_surface.top_hessian_eigenvalue(loss, params, torch.Generator().manual_seed(0), iters=60,
                                                     tol=1e-12)
     assert top == pytest.approx(6.0, rel=1e-6) and len(history) > 1
     assert all(torch.equal(p, q) for p, q in zip(params, before))
     v = [torch.ones_like(p) for p in params]
-    hv = torch.cat([t.reshape(-1) for t in landscape.finite_difference_hvp(loss, params, v, 1e-3)])
+    hv = torch.cat([t.reshape(-1) for t in loss_surface.finite_difference_hvp(loss, params, v, 1e-3)])
     assert torch.allclose(hv, hessian @ torch.ones(8, dtype=torch.float64))
 
 
@@ -109,30 +109,30 @@ def test_pl_constant_of_a_quadratic():
     with torch.no_grad():  # move the minimiser to 0 so G* = 0 (b = 0), start off an eigenvector
         b.zero_()
     before = [p.detach().clone() for p in params]
-    losses, grad_sq = landscape.descent_trace(loss, params, lr=0.1, steps=200)
+    losses, grad_sq = loss_surface.descent_trace(loss, params, lr=0.1, steps=200)
     assert all(torch.equal(p, q) for p, q in zip(params, before))
     assert losses[0] > losses[-1] and len(losses) == len(grad_sq) == 201
     # ‖∇G‖² = xᵀH²x ≥ 2 λmin · ½ xᵀHx, tight once the slowest eigen-direction dominates
-    mu = landscape.pl_estimate(losses, grad_sq, g_star=0.0)
+    mu = loss_surface.pl_estimate(losses, grad_sq, g_star=0.0)
     assert 1.0 - 1e-9 <= mu < 1.001
-    assert landscape.pl_estimate(losses, grad_sq) >= mu  # min observed G ≥ G*: an overstatement
+    assert loss_surface.pl_estimate(losses, grad_sq) >= mu  # min observed G ≥ G*: an overstatement
     # along an eigenvector the ratio is exactly its eigenvalue
     u = torch.linalg.eigh(hessian).eigenvectors[:, 2]
     with torch.no_grad():
         params[0].copy_(u[:6].reshape(2, 3))
         params[1].copy_(u[6:])
-    losses, grad_sq = landscape.descent_trace(loss, params, lr=0.1, steps=5)
-    assert landscape.pl_estimate(losses, grad_sq, g_star=0.0) == pytest.approx(3.0)
+    losses, grad_sq = loss_surface.descent_trace(loss, params, lr=0.1, steps=5)
+    assert loss_surface.pl_estimate(losses, grad_sq, g_star=0.0) == pytest.approx(3.0)
 
 
 def test_pl_edge_cases():
-    assert math.isnan(landscape.pl_estimate([], []))
-    assert math.isnan(landscape.pl_estimate([1.0, 1.0], [0.5, 0.5]))  # no point above the floor
-    assert landscape.pl_estimate([3.0, 2.0, 1.0], [8.0, 2.0, 0.0]) == pytest.approx(1.0)  # min(8/4, 2/2)
+    assert math.isnan(loss_surface.pl_estimate([], []))
+    assert math.isnan(loss_surface.pl_estimate([1.0, 1.0], [0.5, 0.5]))  # no point above the floor
+    assert loss_surface.pl_estimate([3.0, 2.0, 1.0], [8.0, 2.0, 0.0]) == pytest.approx(1.0)  # min(8/4, 2/2)
     with pytest.raises(ValueError, match="finite"):
-        landscape.pl_estimate([1.0, float("nan")], [1.0, 1.0])
+        loss_surface.pl_estimate([1.0, float("nan")], [1.0, 1.0])
     with pytest.raises(ValueError, match="2 losses but 1"):
-        landscape.pl_estimate([1.0, 2.0], [1.0])
+        loss_surface.pl_estimate([1.0, 2.0], [1.0])
 
 
 @pytest.mark.parametrize(
@@ -146,7 +146,8 @@ def test_bad_options_are_named(kwargs, match):
 
 
 def test_answer_teacher_marks_passages_holding_a_gold_answer():
-    texts = ["Paris is the capital of France.", "Dogs bark.", "The capital is PARIS!"]
+    """ℓ = 1 where a gold occurs as whole words (``rewards.contains_answer``): "Parisian" does not hold "paris"."""
+    texts = ["Paris is the capital of France.", "Parisian dogs bark.", "The capital is PARIS!"]
     retriever = types.SimpleNamespace(
         search=lambda queries, k: (torch.zeros(len(queries), k), torch.tensor([[0, 1, -1], [2, 1, 0]])),
         passage=lambda r: types.SimpleNamespace(contents=texts[r]),
@@ -181,7 +182,7 @@ def test_a_probe_builds_only_what_its_target_uses(tmp_path, monkeypatch, target)
         batch = data.rollout(module, data.load("world/train")[:2], training=True, dataset="train")
     assert batch.credit_searches.numel() > 0
     calls = {"old_logprobs": 0, "branch_loglik": 0}
-    for owner, name in [(RLProblem, "old_logprobs"), (Policy, "branch_loglik")]:
+    for owner, name in [(BatchLosses, "old_logprobs"), (Policy, "branch_loglik")]:
         original = getattr(owner, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):

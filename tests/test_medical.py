@@ -217,11 +217,11 @@ def test_a_multiple_choice_prompt_lists_the_lettered_options_and_asks_for_a_lett
             return {"input_ids": [1]}
 
     tokenizer, data = Tokenizer(), RolloutDataModule()
-    data.prompt_ids(tokenizer, "Which cell makes insulin?", OPTIONS)
+    data.collector.prompts.ids(tokenizer, "Which cell makes insulin?", OPTIONS)
     assert "Question: Which cell makes insulin?\nOptions:\nA. Hepatocyte\nB. Type II pneumocyte\nC. Beta cell\n" \
            "D. Kupffer cell\n" in tokenizer.text
     assert "<answer>C</answer>" in tokenizer.text
-    data.prompt_ids(tokenizer, "Who?")
+    data.collector.prompts.ids(tokenizer, "Who?")
     assert "Options" not in tokenizer.text
     with pytest.raises(ValueError, match="choice_instruction"):
         RolloutDataModule(choice_instruction="{question}")
@@ -244,7 +244,8 @@ def test_a_multiple_choice_rollout_is_rewarded_for_the_gold_letter(tmp_path):
         return Trajectory(0, [1], ids, [1] * len(ids), text, [], 1, 1, 0, True)
 
     texts = ["<answer>(C)</answer>", "<answer>Beta cell</answer>", "<answer>A</answer>", "<answer>Paris</answer>"]
-    scores = data._score(module, [written(t) for t in texts], [example, example, example, free])
+    written_texts = [written(t) for t in texts]
+    scores = data.collector.score(module.policy.tokenizer, written_texts, [example, example, example, free])
     assert scores == [("C", 1.0, "C"), ("C", 1.0, "C"), ("A", 0.0, "A"), ("Paris", 1.0, None)]
 
 
@@ -261,13 +262,15 @@ def test_a_tiny_fit_on_world_mc_trains_and_logs_accuracy(tmp_path):
     assert 0.0 <= float(metrics["val/mc/em"]) <= 1.0
 
 
-def test_the_credit_report_reads_a_multiple_choice_answer_by_its_letter_and_looks_for_the_option_text():
-    from bridge_pl.credit_analysis import classify
+def test_the_miss_report_scores_a_multiple_choice_answer_by_its_letter_and_looks_for_the_option_text():
+    from bridge_pl.miss_analysis import classify
     from bridge_pl.records import Passage
 
     shown = [Passage("p1", "Islets", "Beta cells of the pancreas make insulin.")]
     options = {"A": "Hepatocyte", "B": "Beta cells"}
-    right, wrong = classify("B", ["B"], shown, options=options), classify("A", ["B"], shown, options=options)
+    right = classify("B", ["B"], shown, options=options, choice="B")
+    wrong = classify("A", ["B"], shown, options=options, choice="A")
     assert (right.failed, right.retrieved) == (False, True)
     assert (wrong.failed, wrong.retrieved) == (True, True)  # the evidence was shown: a reasoning miss
-    assert classify("A", ["A"], [], options={"A": "yes", "B": "no"}).failed is False
+    assert classify("A", ["A"], [], options={"A": "yes", "B": "no"}, choice="A").failed is False
+    assert classify("A", ["A"], [], options={"A": "yes", "B": "no"}).failed is True  # the reward read no letter

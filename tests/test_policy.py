@@ -7,6 +7,7 @@ import torch
 from helpers import fit_tiny
 from peft import PeftModel
 
+from bridge_pl.batch_losses import minibatch_row_groups
 from bridge_pl.models import load_causal_lm
 from bridge_pl.policy import (
     BranchedSequence,
@@ -15,14 +16,13 @@ from bridge_pl.policy import (
     enable_activation_checkpointing,
     length_sorted_groups,
 )
-from bridge_pl.problem import minibatch_row_groups
 from bridge_pl.rollout.batch import RolloutBatch
 from bridge_pl.rollout.engine import SearchCall, SearchOutcome, Trajectory
 
 
 @torch.no_grad()
 def reference_logprobs(policy: Policy, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` log-probs under the KL reference, as the RL losses score it (``RLProblem``'s reference pass)."""
+    """``[B, T]`` log-probs under the KL reference, as the RL losses score it (``BatchLosses``'s reference pass)."""
     with policy.reference_mode() as model:
         return policy(ids, attn, model=model)[0]
 
@@ -33,9 +33,12 @@ def test_chunked_logprobs_equal_full_softmax():
     attn[1, :3] = 0  # left padding
     logp, entropy, _ = policy(ids, attn, entropy=True)
     logits = policy.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
-    full = logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    log_softmax = logits.log_softmax(-1)[:, :-1]
+    full = log_softmax.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    full_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     real = attn[:, 1:].bool()  # padding is not scored
     assert torch.allclose(logp[:, 1:][real], full[real], atol=1e-5)
+    assert torch.allclose(entropy[:, 1:][real], full_entropy[real], atol=1e-5)
     assert torch.all(logp[:, 0] == 0) and torch.all(entropy[:, 1:][real] > 0) and torch.all(logp[:, 1:][~real] == 0)
     assert torch.allclose(policy.logprobs(ids, attn, micro_batch=1), logp.detach(), atol=1e-5)
 

@@ -110,11 +110,11 @@ def test_context_and_head_width_come_from_the_hf_config():
 def test_the_longest_prompt_is_the_datamodules_longest():
     """Multiple-choice questions use their own template; the longest prompt is found among both kinds."""
     tok = load_tokenizer("tiny-llama")
-    data = RolloutDataModule()
+    prompts = RolloutDataModule().collector.prompts
     examples = [QAExample(str(i), q, ["a"], metadata=meta) for i, (q, meta) in enumerate([
         ("Who?", {}), ("Who wrote the long play about the prince of Denmark?", {}),
         ("Which?", {"options": {"A": "a very long option text " * 8, "B": "b"}}),
     ])]
-    lengths = [len(data.prompt_ids(tok, ex.question, ex.metadata.get("options"))) for ex in examples]
-    assert longest_prompt(data, tok, examples) == (max(lengths), examples[2].id) and max(lengths) == lengths[2]
-    assert longest_prompt(data, tok, examples[:2]) == (lengths[1], examples[1].id)
+    lengths = [len(prompts.ids(tok, ex.question, ex.metadata.get("options"))) for ex in examples]
+    assert longest_prompt(prompts, tok, examples) == (max(lengths), examples[2].id) and max(lengths) == lengths[2]
+    assert longest_prompt(prompts, tok, examples[:2]) == (lengths[1], examples[1].id)

@@ -1,7 +1,7 @@
 """QAEval: hand-counted predictions, validate-from-checkpoint = end of fit, 2-process DDP = 1 process.
 
 Run as a script (``python tests/test_qa_eval.py OUT_DIR``) it is the 2-process CPU DDP job that
-``test_ddp_agrees_with_one_process`` launches (QAEval and CreditReport together).
+``test_ddp_agrees_with_one_process`` launches (QAEval and MissReport together).
 """
 
 import json
@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import TINY, fit_tiny, tiny_cli
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_credit_report import PASSAGES, rollout_batch
+from test_miss_report import PASSAGES, rollout_batch
 
 from bridge_pl.cli import BridgeCLI
-from bridge_pl.credit_analysis import CreditCounts, batch_verdicts
-from callbacks.credit_report import CreditReport
+from bridge_pl.miss_analysis import MissCounts, batch_verdicts
+from callbacks.miss_report import MissReport
 from callbacks.qa_eval import QAEval, merge_rank_records, metrics_by_type, prediction_records, trajectory_markdown
 
 # every eval question alone in its batch, so how examples are split into batches cannot change generation
@@ -129,26 +129,26 @@ def test_validate_from_checkpoint_matches_the_end_of_fit(tmp_path):
     assert (root / "predictions" / "val_world_dev_step2.jsonl").read_text() == predictions
 
 
-class LocalCredit(L.Callback):
-    """Records each training step's rank-local credit counts and the pooled counts CreditReport logged."""
+class LocalMisses(L.Callback):
+    """Records each training step's rank-local miss counts and the pooled counts MissReport logged."""
 
-    def __init__(self, report: CreditReport) -> None:
+    def __init__(self, report: MissReport) -> None:
         self.report, self.steps = report, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        local = CreditCounts.of(batch_verdicts(batch, pl_module.retriever.passage))
-        self.steps.append({"local": vars(local), "pooled": vars(self.report.last["credit"])})
+        local = MissCounts.of(batch_verdicts(batch, pl_module.retriever.passage))
+        self.steps.append({"local": vars(local), "pooled": vars(self.report.last["miss"])})
 
 
 def ddp_main(out: Path) -> None:
-    """2-process CPU DDP: validate (QAEval + CreditReport), then a 1-step fit; each rank writes what it saw."""
+    """2-process CPU DDP: validate (QAEval + MissReport), then a 1-step fit; each rank writes what it saw."""
     torch.set_num_threads(1)
-    # mode frozen: the cheapest training step (CreditReport's per-step path does not depend on the mode)
+    # mode frozen: the cheapest training step (MissReport's per-step path does not depend on the mode)
     cli = tiny_cli(out, *EVAL_ALONE, "--trainer.devices=2", "--trainer.strategy=ddp_find_unused_parameters_true",
                    "--trainer.max_steps=1", "--trainer.val_check_interval=100", "--model.mode=frozen")
-    qa, report = QAEval(), CreditReport()
-    local = LocalCredit(report)
-    cli.trainer.callbacks.extend([qa, report, local])  # LocalCredit after CreditReport: reads its pooled counts
+    qa, report = QAEval(), MissReport()
+    local = LocalMisses(report)
+    cli.trainer.callbacks.extend([qa, report, local])  # LocalMisses after MissReport: reads its pooled counts
     cli.trainer.validate(cli.model, cli.datamodule)
     metrics = _val_metrics(cli.trainer)
     cli.trainer.fit(cli.model, cli.datamodule)
@@ -164,12 +164,12 @@ def test_ddp_agrees_with_one_process(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in range(2)]
 
-    qa, report = QAEval(), CreditReport()
+    qa, report = QAEval(), MissReport()
     single = tiny_cli(tmp_path / "one", *EVAL_ALONE)
     single.trainer.callbacks.extend([qa, report])
     single.trainer.validate(single.model, single.datamodule)
     one = _val_metrics(single.trainer)
-    assert {"val/world_dev/em", "val/world_dev/credit/retrieval_miss_rate", "val/world_dev/credit/recall@k"} <= set(one)
+    assert {"val/world_dev/em", "val/world_dev/miss/retrieval_miss_rate", "val/world_dev/miss/recall@k"} <= set(one)
     assert any(key.startswith("val/world_dev/by_type/") for key in one)  # and every rank logged the same per type
     assert ranks[0]["val"] == pytest.approx(one) and ranks[1]["val"] == pytest.approx(one)
     assert ranks[1]["written"] == [] and len(ranks[0]["written"]) == 1  # rank 0 writes, once

@@ -7,6 +7,7 @@ from bridge_pl.rewards import (
     F1Reward,
     RewardFunction,
     SubEMReward,
+    contains_answer,
     exact_match,
     extract_answer,
     f1_score,
@@ -42,14 +43,14 @@ SCORE_TABLE = [
     ("rock-n-roll", ["rock n roll"], 0.0, 0.0, 0.0),  # "rocknroll" vs three tokens
     ("Zürich", ["zurich"], 0.0, 0.0, 0.0),  # SQuAD does not strip accents
     ("ZÜRICH", ["zürich"], 1.0, 1.0, 1.0),
-    ("“Imagine”", ["Imagine"], 0.0, 0.0, 1.0),  # curly quotes stay; "imagine" is a substring
+    ("“Imagine”", ["Imagine"], 0.0, 0.0, 0.0),  # curly quotes stay: the one token "“imagine”" is not "imagine"
     ('"Imagine"', ["Imagine"], 1.0, 1.0, 1.0),
     ("Barack Obama", ["Obama"], 0.0, 2 / 3, 1.0),  # P = 1/2, R = 1
     ("Obama", ["Barack Hussein Obama"], 0.0, 0.5, 0.0),  # P = 1, R = 1/3
     ("new york new york", ["New York City"], 0.0, 4 / 7, 0.0),  # overlap 2: P = 2/4, R = 2/3
     ("Paris", ["London", "Paris, France", "paris"], 1.0, 1.0, 1.0),  # max over golds
     ("Paris", ["London", "Paris, France"], 0.0, 2 / 3, 0.0),
-    ("start", ["art"], 0.0, 0.0, 1.0),  # sub-EM is a character substring test
+    ("start", ["art"], 0.0, 0.0, 0.0),  # sub-EM is whole words (contains_answer), not a character substring
     ("1,000", ["1000"], 1.0, 1.0, 1.0),
     ("3.14", ["314"], 1.0, 1.0, 1.0),
     ("1 000", ["1000"], 0.0, 0.0, 0.0),
@@ -71,7 +72,38 @@ def test_scores_match_squad_definitions(prediction, golds, em, f1, sub_em):
     assert sub_exact_match(prediction, golds) == sub_em
 
 
-@pytest.mark.parametrize("score", [exact_match, f1_score, sub_exact_match])
+# (text, golds, contains): contains_answer, the one "is the answer in this text" test (sub-EM, the miss report's
+# answer string, the landscape probe's answer teacher).
+CONTAINS_TABLE = [
+    ("start", ["art"], False),  # whole words: "art" is not in "start"
+    ("the art of war", ["art"], True),
+    ("I love New York City!", ["new york"], True),  # a multiword gold: a contiguous run of the text's tokens
+    ("York, New", ["New York"], False),  # the same tokens out of order
+    ("new jersey and york", ["New York"], False),  # not contiguous
+    ("Beatles, The", ["the Beatles"], True),  # articles and punctuation normalised on both sides
+    ("He was born in the U.S.A. in 1961", ["USA"], True),
+    ("It is PARIS, France", ["paris"], True),
+    ("Parisian food", ["Paris"], False),
+    ("rock n roll", ["rock-n-roll"], False),  # "rocknroll" is one token
+    ("Zürich", ["zurich"], False),  # accents are kept
+    ("“Imagine” by Lennon", ["Imagine"], False),  # curly quotes are kept, so "“imagine”" is one token
+    ("the end", ["The"], False),  # a gold that normalises to "" occurs nowhere
+    ("the end", [""], False),  # nor does an empty gold
+    ("the end", ["", "End"], True),  # an empty gold is skipped, not fatal
+    ("", ["end"], False),
+    ("the a an", ["end"], False),  # a text that normalises to ""
+    (None, ["end"], False),
+    ("Lyon or Paris", ["London", "Paris"], True),  # any gold
+]
+
+
+@pytest.mark.parametrize(("text", "golds", "contains"), CONTAINS_TABLE)
+def test_contains_answer_by_whole_normalised_tokens(text, golds, contains):
+    assert contains_answer(text, golds) is contains
+    assert sub_exact_match(text, golds) == float(contains)  # sub-EM is the same test, as a score
+
+
+@pytest.mark.parametrize("score", [exact_match, f1_score, sub_exact_match, contains_answer])
 def test_scores_reject_bad_golds(score):
     with pytest.raises(TypeError, match="list of answer strings"):
         score("x", "x")

@@ -33,7 +33,7 @@ def tiny_run(tmp_path_factory) -> tuple[BridgeCLI, Path, str]:
             "fit", "--config", TINY, f"--trainer.default_root_dir={root}", "--trainer.logger=true",
             "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=true",
             "--trainer.callbacks+=callbacks.qa_eval.QAEval",
-            "--trainer.callbacks+=callbacks.credit_report.CreditReport",
+            "--trainer.callbacks+=callbacks.miss_report.MissReport",
             "--trainer.callbacks+=callbacks.progress.BridgeProgressBar",
             "--trainer.callbacks+=callbacks.warm_start.WarmStart",
             "--trainer.callbacks.steps=1", "--trainer.callbacks.batch_size=1",
@@ -46,20 +46,20 @@ def test_fit_says_where_the_logs_are(tiny_run):
     assert f"TensorBoard logs in {log_dir}" in printed and log_dir.is_relative_to(cli.trainer.default_root_dir)
 
 
-def test_event_files_hold_eval_credit_and_trajectories(tiny_run):
+def test_event_files_hold_eval_misses_and_trajectories(tiny_run):
     _, log_dir, _ = tiny_run
     events, tags = event_tags(log_dir)
     scalars = set(tags["scalars"])
     assert {"val/world_dev/em", "val/world_dev/f1", "val/world_dev/sub_em", "val/em", "val/f1"} <= scalars
-    credit = {"retrieval_miss_rate", "reasoning_miss_rate", "failure_rate", "recall@k", "gold_id_share"}
-    assert {f"credit/{n}" for n in credit} <= scalars and {f"val/world_dev/credit/{n}" for n in credit} <= scalars
+    misses = {"retrieval_miss_rate", "reasoning_miss_rate", "failure_rate", "recall@k", "gold_id_share"}
+    assert {f"miss/{n}" for n in misses} <= scalars and {f"val/world_dev/miss/{n}" for n in misses} <= scalars
     # one x-axis, the RL iterations done: iteration i's metrics at step i, the dev-EM curve after the warm start
     # (step 0) and after iteration 2 (step 2)
-    assert [e.step for e in events.Scalars("credit/failure_rate")] == [1, 2]  # every training step
+    assert [e.step for e in events.Scalars("miss/failure_rate")] == [1, 2]  # every training step
     for timing in ("rollout/seconds", "update/seconds"):  # where each iteration's wall time went
         assert [e.step for e in events.Scalars(timing)] == [1, 2] and all(e.value > 0 for e in events.Scalars(timing))
     assert [e.step for e in events.Scalars("val/world_dev/em")] == [0, 2]
-    assert [e.step for e in events.Scalars("val/world_dev/credit/failure_rate")] == [2]  # callbacks' too
+    assert [e.step for e in events.Scalars("val/world_dev/miss/failure_rate")] == [2]  # callbacks' too
     assert "step" not in scalars and "epoch" not in scalars
     text_tag = "val/world_dev/trajectories/text_summary"
     assert text_tag in tags["tensors"]
@@ -96,8 +96,8 @@ def test_progress_bar_shows_reward_and_val_em(tiny_run):
     bars = [c for c in cli.trainer.callbacks if isinstance(c, BridgeProgressBar)]
     assert len(bars) == 1 and cli.trainer.progress_bar_callback is bars[0]
     assert set(bars[0].get_metrics(cli.trainer, cli.model)) == {"reward", "val/em"}
-    assert BridgeProgressBar(metrics=["credit/failure_rate"]).get_metrics(cli.trainer, cli.model) == {
-        "credit/failure_rate": float(cli.trainer.callback_metrics["credit/failure_rate"])
+    assert BridgeProgressBar(metrics=["miss/failure_rate"]).get_metrics(cli.trainer, cli.model) == {
+        "miss/failure_rate": float(cli.trainer.callback_metrics["miss/failure_rate"])
     }
 
 

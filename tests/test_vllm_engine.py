@@ -19,11 +19,11 @@ import pytest
 import torch
 from helpers import tiny_cli, tiny_module
 
-from bridge_pl.data.datamodule import ExampleBatch
+from bridge_pl.data.stream import ExampleBatch
 from bridge_pl.models import resolve_model
 from bridge_pl.policy import Policy
 from bridge_pl.records import Passage
-from bridge_pl.rollout import EnvConfig, RolloutEngine, SearchEnv, SearchOutcome
+from bridge_pl.rollout import EnvConfig, HFRolloutEngine, SearchEnv, SearchOutcome
 from bridge_pl.rollout.vllm_engine import (
     CPU_BLOCK_SIZE,
     VLLMConfig,
@@ -112,7 +112,7 @@ def scripted(tmp_path_factory):
 def engines(scripted):
     _, env, _ = scripted
     kwargs = dict(max_turns=2, max_new_tokens_per_turn=10, max_response_tokens=400)
-    hf, vllm = RolloutEngine(env, **kwargs), VLLMRolloutEngine(env, **kwargs, config=SMALL)
+    hf, vllm = HFRolloutEngine(env, **kwargs), VLLMRolloutEngine(env, **kwargs, config=SMALL)
     yield hf, vllm
     vllm.close()
 
@@ -146,7 +146,7 @@ def tiny(scripted):
     kwargs = dict(max_turns=1, max_new_tokens_per_turn=8, max_response_tokens=100)
     policy = Policy(model="tiny-llama-hd32", dtype="float32", lora_r=4)
     vllm = VLLMRolloutEngine(env, **kwargs, config=SMALL)
-    yield policy, vllm, RolloutEngine(env, **kwargs)
+    yield policy, vllm, HFRolloutEngine(env, **kwargs)
     vllm.close()
 
 
@@ -242,7 +242,7 @@ def test_adapter_sync_serves_the_trained_lora_over_the_base(scripted):
         assert engine.adapter is not None and engine.syncs == 1
     finally:
         engine.close()
-    expected = RolloutEngine(env, **kwargs).rollout(policy, prompts, search, greedy=True)
+    expected = HFRolloutEngine(env, **kwargs).rollout(policy, prompts, search, greedy=True)
     assert [t.response_ids for t in served] == [t.response_ids for t in expected]
     with pytest.raises(ValueError, match="needs a LoRA policy"):
         VLLMRolloutEngine(env, config=replace(SMALL, weight_sync="adapter"))._adapter_sync(
@@ -342,7 +342,8 @@ def test_fit_and_validate_with_vllm(tmp_path):
     cli.trainer.fit(cli.model, cli.datamodule)
     assert int(cli.model.policy_version) == 2
     assert "val/world_dev/em" in cli.trainer.callback_metrics
-    assert isinstance(cli.datamodule._engine, VLLMRolloutEngine) and cli.datamodule._engine.llm is None
+    engine = cli.datamodule.collector.engine
+    assert isinstance(engine, VLLMRolloutEngine) and engine.llm is None
 
 
 @pytest.mark.slow
@@ -389,7 +390,7 @@ def test_smollm2_greedy_agrees_with_hf():
     kwargs = dict(max_turns=2, max_new_tokens_per_turn=32, max_response_tokens=200)
     vllm = VLLMRolloutEngine(env, **kwargs, config=SMALL)
     try:
-        a = RolloutEngine(env, **kwargs).rollout(policy, prompts, search, greedy=True)
+        a = HFRolloutEngine(env, **kwargs).rollout(policy, prompts, search, greedy=True)
         b = vllm.rollout(policy, prompts, search, greedy=True)
     finally:
         vllm.close()
@@ -399,14 +400,14 @@ def test_smollm2_greedy_agrees_with_hf():
 
 def test_auto_falls_back_to_hf_where_vllm_cannot_run(tmp_path):
     module, data = tiny_module(tmp_path, "--data.engine=auto")  # tiny-llama: heads of 16, below vLLM's CPU kernels
-    env = SearchEnv(data.env_config, module.policy.tokenizer)
+    env = SearchEnv(data.collector.prompts.env, module.policy.tokenizer)
     with pytest.warns(UserWarning, match="vLLM could not run this policy"):
-        assert isinstance(data._build_engine(env, module.policy), RolloutEngine)
+        assert isinstance(data._build_engine(env, module.policy), HFRolloutEngine)
 
 
 def test_auto_generates_with_hf_in_runs_of_several_processes(tmp_path):
     """``auto`` picks vLLM in one process only; ``vllm`` under fsdp2 is tests/test_fsdp2.py's."""
     module, data = tiny_module(tmp_path, "--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=auto")
     data.trainer = SimpleNamespace(world_size=2, global_rank=0)  # what _build_engine reads of a 2-process trainer
-    env = SearchEnv(data.env_config, module.policy.tokenizer)
-    assert isinstance(data._build_engine(env, module.policy), RolloutEngine)
+    env = SearchEnv(data.collector.prompts.env, module.policy.tokenizer)
+    assert isinstance(data._build_engine(env, module.policy), HFRolloutEngine)

@@ -7,13 +7,14 @@ import pytest
 import torch
 from helpers import fit_tiny
 
-from bridge_pl.data.qa import QAExample
+from bridge_pl.data import datamodule
+from bridge_pl.demonstrations import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
 from bridge_pl.metrics import QAMetrics
 from bridge_pl.models import load_tokenizer
 from bridge_pl.policy import Policy
+from bridge_pl.records import QAExample
 from bridge_pl.rollout.engine import SearchOutcome
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
-from bridge_pl.warm_start import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
 from callbacks import warm_start as warm_start_callback
 from callbacks.warm_start import WarmStart
 
@@ -133,7 +134,7 @@ def test_warm_start_forwards_run_in_the_trainers_precision_context(tmp_path, mon
             autocast.setdefault("evaluations", set()).add(torch.is_autocast_enabled("cpu"))
             super().update_from_rollouts(batch)
 
-    monkeypatch.setattr(warm_start_callback, "QAMetrics", RecordedMetrics)
+    monkeypatch.setattr(datamodule, "QAMetrics", RecordedMetrics)  # the warm start evaluates through the datamodule
     warm = WarmStart(steps=2, batch_size=1)
     fit_tiny(tmp_path, "--trainer.max_steps=1", "--trainer.precision=bf16-mixed", callbacks=(warm,))
     assert autocast == {"sft forwards": {True}, "evaluations": {True}}

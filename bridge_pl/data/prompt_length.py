@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bridge_pl.data.datamodule import RolloutDataModule, options_text
 from bridge_pl.models import load_tokenizer, resolve_model
 from bridge_pl.records import QAExample
 from bridge_pl.rollout.env import EnvConfig
+from bridge_pl.rollout.prompts import PromptBuilder, options_text
 from bridge_pl.rollout.vllm_engine import DEFAULT_MAX_MODEL_LEN, engine_max_model_len, vllm_available
 
 # Tokens by which the length of a prompt may differ from the template's plus its question's (and options'): a token
@@ -61,8 +61,8 @@ class LongestPrompt(NamedTuple):
     example_id: str | None
 
 
-def longest_prompt(data: RolloutDataModule, tokenizer, examples: Sequence[QAExample]) -> LongestPrompt:
-    """The longest prompt of ``examples``, built by :meth:`RolloutDataModule.prompt_ids`.
+def longest_prompt(prompts: PromptBuilder, tokenizer, examples: Sequence[QAExample]) -> LongestPrompt:
+    """The longest prompt of ``examples``, built by ``prompts``.
 
     Every question (with its options) is tokenised alone, in one batch; whole prompts are built only for those
     within :data:`SEAM_SLACK` tokens of the longest of their template (free-text or multiple-choice), since the
@@ -78,19 +78,18 @@ def longest_prompt(data: RolloutDataModule, tokenizer, examples: Sequence[QAExam
         cutoff = max(sizes) - SEAM_SLACK
         for ex, size in zip(group, sizes, strict=True):
             if size >= cutoff:
-                tokens = len(data.prompt_ids(tokenizer, ex.question, ex.metadata.get("options")))
+                tokens = len(prompts.ids(tokenizer, ex.question, ex.metadata.get("options")))
                 longest = max(longest, LongestPrompt(tokens, ex.id), key=lambda found: found.tokens)
     return longest
 
 
-def _prompt_builder(data: Mapping[str, Any]) -> RolloutDataModule:
-    """A datamodule with the prompt settings of ``data`` (``env``, ``instruction``, ``choice_instruction``,
-    ``use_chat_template``; parsed options or their values), to build prompts with."""
+def _prompt_builder(data: Mapping[str, Any]) -> PromptBuilder:
+    """The prompt builder of the datamodule settings ``data`` (``env``, ``instruction``, ``choice_instruction``,
+    ``use_chat_template``; parsed options or their values)."""
     env = data.get("env")
     if env is not None and not isinstance(env, EnvConfig):
         env = EnvConfig(**dict(env.items()))
-    return RolloutDataModule(env=env, instruction=data["instruction"], choice_instruction=data["choice_instruction"],
-                             use_chat_template=data["use_chat_template"])
+    return PromptBuilder(data["instruction"], data["choice_instruction"], env or EnvConfig(), data["use_chat_template"])
 
 
 def model_context(hf_config) -> int | None:

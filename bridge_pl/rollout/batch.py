@@ -20,7 +20,7 @@ class RolloutBatch:
     Token tensors are ``[B, T]``, right-padded. ``action_mask[b, t] = 1`` exactly where token t was
     sampled by the policy (0 on prompt, retrieved observations, env messages and padding). π_old's log-probs
     are not stored: with one update per batch they are the update's own first forward, detached
-    (:class:`~bridge_pl.problem.RLProblem`).
+    (:class:`~bridge_pl.batch_losses.BatchLosses`).
 
     Search calls are flattened over the batch: call s belongs to trajectory ``search_traj[s]``; its K′
     FAISS candidates are ``search_candidates[s]`` (retriever rows, -1 = padding); the k passages shown are
@@ -107,7 +107,7 @@ class RolloutBatch:
         temperature: float = 1.0,
         choices: list[str | None] | None = None,
     ) -> RolloutBatch:
-        """Pad trajectories (from :class:`~bridge_pl.rollout.engine.RolloutEngine`) into a batch; ``choices``: the
+        """Pad trajectories (from :class:`~bridge_pl.rollout.engine.HFRolloutEngine`) into a batch; ``choices``: the
         letter each multiple-choice answer was read as (None: all None)."""
         B = len(trajectories)
         T = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)

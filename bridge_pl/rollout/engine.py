@@ -5,7 +5,7 @@
 row and appends the env's reply ids. Every backend is token-in/token-out: a turn is never re-tokenised, and the
 next turn continues from the recorded ids. ``bridge_pl.rollout.vllm_engine`` is the vLLM backend.
 
-:class:`RolloutEngine` (``hf``) decodes with the Hugging Face model itself, reusing the KV cache across turns.
+:class:`HFRolloutEngine` (``hf``) decodes with the Hugging Face model itself, reusing the KV cache across turns.
 All active trajectories decode together, one token per forward. A trajectory's turn ends at EOS, at the
 per-turn budget, or on the token that completes a stop string (``</search>`` / ``</answer>``); rows that
 already stopped are fed a padding token with attention mask 0 (a "hole") until every row has stopped.
@@ -226,11 +226,11 @@ class MultiTurnEngine:
         for name, value in (("max_turns", max_turns), ("max_new_tokens_per_turn", max_new_tokens_per_turn),
                             ("max_response_tokens", max_response_tokens)):
             if value < 1:
-                raise ValueError(f"RolloutEngine.{name} must be >= 1, got {value}")
+                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {value}")
         if temperature <= 0:
-            raise ValueError(f"RolloutEngine.temperature must be > 0 (use greedy=True), got {temperature}")
+            raise ValueError(f"{type(self).__name__}.temperature must be > 0 (use greedy=True), got {temperature}")
         if not 0 < top_p <= 1:
-            raise ValueError(f"RolloutEngine.top_p must be in (0, 1], got {top_p}")
+            raise ValueError(f"{type(self).__name__}.top_p must be in (0, 1], got {top_p}")
         self.env = env
         self.max_turns = max_turns
         self.max_new_tokens_per_turn = max_new_tokens_per_turn
@@ -285,12 +285,11 @@ class MultiTurnEngine:
             for r in rollouts
         ]
 
-    @staticmethod
-    def _check_request(prompts: list[list[int]], n_samples: int) -> None:
+    def _check_request(self, prompts: list[list[int]], n_samples: int) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("RolloutEngine.generate: prompts must be a non-empty list of non-empty id lists")
+            raise ValueError(f"{type(self).__name__}.rollout: prompts must be a non-empty list of non-empty id lists")
         if n_samples < 1:
-            raise ValueError(f"RolloutEngine.generate: n_samples must be >= 1, got {n_samples}")
+            raise ValueError(f"{type(self).__name__}.rollout: n_samples must be >= 1, got {n_samples}")
 
     def _env_step(self, rollouts, rows, actions: list[Action], turn: int, search_fn: SearchFn, tokenizer):
         """Apply the turn's actions. Returns per active row the env ids to append, or None if it is done."""
@@ -337,7 +336,7 @@ class MultiTurnEngine:
         return outcomes
 
 
-class RolloutEngine(MultiTurnEngine):
+class HFRolloutEngine(MultiTurnEngine):
     """The ``hf`` backend: all active rows decode together with the Hugging Face model, one token per forward,
     reusing the KV cache across turns (see the module docstring)."""
 

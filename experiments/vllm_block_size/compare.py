@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from rollout_bench import cpu_model, sampled_tokens, timed, warm_start  # noqa: E402
 
 from bridge_pl.cli import BridgeCLI  # noqa: E402
-from bridge_pl.rollout import RolloutEngine, SearchEnv  # noqa: E402
+from bridge_pl.rollout import HFRolloutEngine, SearchEnv  # noqa: E402
 from bridge_pl.rollout.vllm_engine import VLLMRolloutEngine  # noqa: E402
 
 
@@ -47,8 +47,9 @@ def main() -> None:
     warm = next(c for c in cli.trainer.callbacks if type(c).__name__ == "WarmStart")
     warm_start(cli, warm.steps)
     policy, tok = module.policy, module.policy.tokenizer
-    env = SearchEnv(data.env_config, tok)
-    prompts = [data.prompt_ids(tok, ex.question) for ex in next(iter(data.train_dataloader()))]
+    env = SearchEnv(data.collector.prompts.env, tok)
+    limits = dataclasses.asdict(data.collector.limits)
+    prompts = [data.collector.prompts.ids(tok, ex.question) for ex in next(iter(data.train_dataloader()))]
 
     def rate(engine) -> float:
         gen = torch.Generator(device=module.device).manual_seed(data.seed)
@@ -57,14 +58,14 @@ def main() -> None:
             n_samples=data.n_samples, generator=gen))
         return sampled_tokens(trajectories) / seconds
 
-    hf = RolloutEngine(env, **data.engine_args)
+    hf = HFRolloutEngine(env, **limits)
     hf.rollout(policy, prompts[:1], lambda q: module.retrieve(q, stochastic=False), greedy=True)  # warm-up
     rates: dict[str, list[float]] = {"hf": []} | {f"vllm block {s}": [] for s in args.sizes}
     for r in range(args.rounds):
         rates["hf"].append(rate(hf))
         for size in args.sizes if r % 2 == 0 else reversed(args.sizes):
-            engine = VLLMRolloutEngine(env, **data.engine_args, seed=data.seed,
-                                       config=dataclasses.replace(data.vllm_config, block_size=size))
+            engine = VLLMRolloutEngine(env, **limits, seed=data.seed,
+                                       config=dataclasses.replace(data.collector.vllm, block_size=size))
             engine.sync(policy)
             rates[f"vllm block {size}"].append(rate(engine))
             engine.close()

@@ -9,7 +9,7 @@ does), then, with the warm-started policy and the retriever as built:
 - **greedy**: the evaluation rollout of the same questions; per type, searches per question and mean reward
   (EM on the world's free-text questions);
 - **decision tokens**: the policy's probability of the tokens that decide a second search, teacher-forced on
-  noise-free demonstrations of the same questions (``bridge_pl.warm_start.demonstration_segments``): the word
+  noise-free demonstrations of the same questions (``bridge_pl.demonstrations.demonstration_segments``): the word
   after ``<think> I`` once an observation is in the context (``need`` before a next search, ``have`` before the
   answer), and the first token of the second query.
 
@@ -24,6 +24,7 @@ One seed per process (each builds its own vLLM engine)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import warnings
 from collections import defaultdict
@@ -32,8 +33,8 @@ from pathlib import Path
 import torch
 
 from bridge_pl.cli import BridgeCLI
+from bridge_pl.demonstrations import demonstration_segments, tokenize_demonstration
 from bridge_pl.rollout.env import SearchEnv
-from bridge_pl.warm_start import demonstration_segments, tokenize_demonstration
 from callbacks.warm_start import WarmStart
 
 
@@ -62,7 +63,7 @@ def search_counts(batch) -> dict[str, dict[int, list[float]]]:
 def decision_probabilities(trainer, module, data, examples) -> dict[tuple[str, str], list[float]]:
     """(question type, decision) -> the policy's probability of the demonstrated token at each decision."""
     tokenizer = module.policy.tokenizer
-    env = SearchEnv(data.env_config, tokenizer)
+    env = SearchEnv(data.collector.prompts.env, tokenizer)
     need, have = (tokenizer(f" {word}", add_special_tokens=False)["input_ids"][0] for word in ("need", "have"))
     think = tokenizer("<think> I", add_special_tokens=False)["input_ids"]
     found: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -70,7 +71,7 @@ def decision_probabilities(trainer, module, data, examples) -> dict[tuple[str, s
     for example in examples:
         segments = demonstration_segments(
             example, env, lambda queries: module.retrieve(queries, stochastic=False), random.Random(0), 0.0)
-        prompt = data.prompt_ids(tokenizer, example.question, example.metadata.get("options"))
+        prompt = data.collector.prompts.ids(tokenizer, example.question, example.metadata.get("options"))
         demo = tokenize_demonstration(prompt, segments, tokenizer)
         ids = torch.tensor([demo.input_ids])
         with torch.no_grad(), trainer.precision_plugin.forward_context():
@@ -107,13 +108,13 @@ def main() -> None:
     overrides = {"steps": args.warm_steps, "lr": args.warm_lr, "batch_size": args.warm_batch}
     trainer, module, data, warm = warm_started(args.config, args.seed, args.root / f"seed{args.seed}", overrides)
     examples = data.load(next(iter(data.val_sources.values())), args.questions)
-    data.filter_groups = False
+    data.collector.groups = dataclasses.replace(data.collector.groups, filter_groups=False)
     with trainer.precision_plugin.forward_context():
         sampled = search_counts(data.rollout(module, examples, training=True, dataset="probe"))
         greedy = search_counts(data.rollout(module, examples, training=False, dataset="probe"))
     print(f"seed {args.seed}, {warm.steps} warm-start steps of {warm.batch_size} at lr {warm.lr:g}: "
           f"{len(examples)} dev questions, {data.n_samples} samples each at temperature "
-          f"{data.engine_args['temperature']}")
+          f"{data.collector.limits.temperature}")
     for kind in sorted(sampled):
         cells = ", ".join(f"{n} searches: {len(r)} (reward {sum(r) / len(r):.2f})"
                           for n, r in sorted(sampled[kind].items()))

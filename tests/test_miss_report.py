@@ -1,23 +1,24 @@
-"""Credit analysis on hand-built trajectories, and CreditReport's logged rates on hand-built batches."""
+"""Miss analysis on hand-built trajectories, and MissReport's logged rates on hand-built batches."""
 
 import types
+from dataclasses import replace
 
 import pytest
 import torch
 
-from bridge_pl.credit_analysis import (
-    CreditCounts,
+from bridge_pl.miss_analysis import (
+    MissCounts,
     Verdict,
-    answer_in_texts,
     batch_verdicts,
     check_gold_passages,
     classify,
     hop_recall,
+    retriever_hop_recall,
     trajectory_searches,
 )
-from bridge_pl.data.qa import Passage
+from bridge_pl.records import Passage, QAExample
 from bridge_pl.rollout.batch import RolloutBatch
-from callbacks.credit_report import CreditReport
+from callbacks.miss_report import CreditReport, MissReport
 
 PASSAGES = [
     Passage("p0", "Paris", "Paris is the capital of France."),
@@ -74,10 +75,31 @@ def test_classify_by_answer_string():
     assert classify("Lyon", ["Paris"], [lyon]).retrieval_miss
     assert classify("Lyon", ["Paris"], []).retrieval_miss  # never searched
     assert not classify("Lyon", ["Lyon"], []).failed
-    assert answer_in_texts(["It is PARIS, France"], ["paris"])
-    assert not answer_in_texts(["Parisian food"], ["Paris"])  # whole tokens only
-    assert not answer_in_texts(["the"], ["The"])  # a gold that normalises to "" never matches
+    assert classify("Lyon", ["france"], [lyon, paris]).reasoning_miss  # "It is PARIS, France": SQuAD-normalised
+    parisian = Passage("p9", "Food", "Parisian food is rich.")
+    assert classify("Lyon", ["Paris"], [parisian]).retrieval_miss  # whole words only (rewards.contains_answer)
+    assert classify("Lyon", ["The"], [paris]).retrieval_miss  # a gold that normalises to "" never matches
     assert hop_recall(["a", "c"], [["a"], ["b"], ["c", "d"]]) == pytest.approx(2 / 3)
+
+
+def test_retriever_hop_recall_pools_the_hops_of_every_question():
+    """The query encoder's own recall@k: every hop query of the world's questions, scored against its gold passage
+    by ``hop_recall`` of its top k ids, the mean over all hops (not per question)."""
+    examples = [
+        QAExample("single", "Capital of France?", ["Paris"],
+                  {"type": "single", "gold_passages": [["p0"]], "hop_queries": ["capital of france"]}),
+        QAExample("bridge", "Country of Germany's capital?", ["Germany"],
+                  {"type": "bridge", "gold_passages": [["p3"], ["p1"]], "hop_queries": ["berlin", "lyon country"]}),
+    ]
+    # -1: padding, no passage (not PASSAGES[-1], which is p3, the gold of "berlin")
+    top = {"capital of france": [0, 3], "berlin": [1, -1], "lyon country": [2, 1]}
+    retriever = types.SimpleNamespace(
+        search=lambda queries, k: (torch.zeros(len(queries), k), torch.tensor([top[q][:k] for q in queries])),
+        passage=PASSAGES.__getitem__,
+    )
+    # single: p0 in top 2; bridge hop 1 ("berlin" -> p3): missed; bridge hop 2 ("lyon country" -> p1): found
+    assert retriever_hop_recall(retriever, examples, 2) == pytest.approx(2 / 3)
+    assert retriever_hop_recall(retriever, examples, 1) == pytest.approx(1 / 3)  # p1 is second for "lyon country"
 
 
 @pytest.mark.parametrize("value", ["p1", [["p1", 3]], [["p1"], "p2"]])
@@ -98,14 +120,27 @@ def test_counts_and_rates():
         Verdict(True, True, "answer_string", None),
         Verdict(True, False, "answer_string", None),
     ]
-    counts = CreditCounts.of(verdicts)
-    assert counts == CreditCounts(trajectories=4, failed=3, retrieval_misses=2, reasoning_misses=1,
+    counts = MissCounts.of(verdicts)
+    assert counts == MissCounts(trajectories=4, failed=3, retrieval_misses=2, reasoning_misses=1,
                                   judged_by_gold_ids=1, recall_sum=1.5, with_gold_ids=2)
     assert counts.rates() == pytest.approx({"failure_rate": 0.75, "retrieval_miss_rate": 2 / 3,
                                             "reasoning_miss_rate": 1 / 3, "gold_id_share": 1 / 3, "recall@k": 0.75})
-    assert CreditCounts.from_tensor(counts.to_tensor()) == counts
-    assert counts + counts == CreditCounts.of(verdicts * 2)
-    assert CreditCounts.of([Verdict(False, False, "answer_string", None)]).rates() == {"failure_rate": 0.0}
+    assert MissCounts.from_tensor(counts.to_tensor()) == counts
+    assert counts + counts == MissCounts.of(verdicts * 2)
+    assert MissCounts.of([Verdict(False, False, "answer_string", None)]).rates() == {"failure_rate": 0.0}
+
+
+def test_a_multiple_choice_trajectory_is_scored_by_the_letter_its_reward_read():
+    """``RolloutBatch.choices`` decides failure (the answer text is not read again); the string looked for in the
+    shown passages is the gold option's text."""
+    options = {"A": "Lyon", "B": "Paris"}
+    batch = rollout_batch(answers=["The answer is B", "The answer is B"], golds=[["B"], ["B"]],
+                          searches=[(0, "capital", [0, 2]), (1, "capital", [2, 1])],
+                          metadata=[{"options": options}, {"options": options}])
+    verdicts = batch_verdicts(replace(batch, choices=["B", None]), PASSAGES.__getitem__)
+    assert [(v.failed, v.retrieved, v.method) for v in verdicts] == [
+        (False, True, "answer_string"), (True, False, "answer_string"),  # "Paris" shown to 0, not to 1
+    ]
 
 
 def hand_batch(dataset="train") -> RolloutBatch:
@@ -140,7 +175,7 @@ def test_batch_verdicts_follow_the_shown_order():
 
 
 class _Module:
-    """The parts of BridgeModule that CreditReport reads, recording what it logs."""
+    """The parts of BridgeModule that MissReport reads, recording what it logs."""
 
     def __init__(self, last_eval_batches=None) -> None:
         self.retriever = types.SimpleNamespace(passage=PASSAGES.__getitem__)
@@ -159,22 +194,34 @@ def _trainer(**kwargs):
 
 def test_report_logs_the_hand_counted_rates():
     module = _Module()
-    report = CreditReport()
+    report = MissReport()
     report.on_train_batch_end(_trainer(), module, None, hand_batch(), 0)
     assert module.logged == pytest.approx({
-        "credit/failure_rate": 3 / 4, "credit/retrieval_miss_rate": 2 / 3, "credit/reasoning_miss_rate": 1 / 3,
-        "credit/gold_id_share": 2 / 3, "credit/recall@k": 2 / 3,
+        "miss/failure_rate": 3 / 4, "miss/retrieval_miss_rate": 2 / 3, "miss/reasoning_miss_rate": 1 / 3,
+        "miss/gold_id_share": 2 / 3, "miss/recall@k": 2 / 3,
     })
 
     batches = {"val/dev": [hand_batch("dev"), hand_batch("dev")], "val/other": []}
     module = _Module(batches)
     datamodule = types.SimpleNamespace(val_sources={"dev": "world/dev", "other": "x.jsonl"})
     report.on_validation_epoch_end(_trainer(datamodule=datamodule), module)
-    assert module.logged["val/dev/credit/retrieval_miss_rate"] == pytest.approx(2 / 3)
+    assert module.logged["val/dev/miss/retrieval_miss_rate"] == pytest.approx(2 / 3)
     assert not any(k.startswith("val/other") for k in module.logged)  # no data: nothing to report
     assert report.methods == {"val/dev": "mixed"} and report.last["val/dev"].trajectories == 8
 
 
 def test_report_rejects_non_rollout_batches():
-    with pytest.raises(TypeError, match="CreditReport needs RolloutBatch"):
-        CreditReport().on_train_batch_end(_trainer(), _Module(), None, torch.zeros(2), 0)
+    with pytest.raises(TypeError, match="MissReport needs RolloutBatch"):
+        MissReport().on_train_batch_end(_trainer(), _Module(), None, torch.zeros(2), 0)
+
+
+def test_the_former_name_still_loads_and_logs_the_new_names():
+    """``callbacks.CreditReport`` in an older config: a warning naming ``MissReport``, and the ``miss/`` names."""
+    import callbacks
+
+    with pytest.warns(FutureWarning, match="callbacks.MissReport"):
+        report = callbacks.CreditReport()
+    assert isinstance(report, MissReport) and callbacks.CreditReport is CreditReport
+    module = _Module()
+    report.on_train_batch_end(_trainer(), module, None, hand_batch(), 0)
+    assert module.logged["miss/failure_rate"] == pytest.approx(3 / 4)

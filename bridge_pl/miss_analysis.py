@@ -1,23 +1,26 @@
-"""Credit analysis of failed trajectories: was the gold evidence never retrieved, or retrieved and misused?
+"""Miss analysis of failed trajectories: was the gold evidence never retrieved, or retrieved and misused?
 
-Definitions (used by ``callbacks.credit_report.CreditReport``):
+Failure attribution, not LM credit (the policy's log-likelihood of the gold answer per candidate passage,
+:mod:`bridge_pl.retrieval.credit`). Definitions (used by ``callbacks.miss_report.MissReport``):
 
 - A trajectory **failed** when its extracted answer has exact match 0 against the gold answers (the
-  outcome the policy is rewarded for, independent of any format shaping of the reward).
+  outcome the policy is rewarded for, independent of any format shaping of the reward); on a multiple-choice
+  question, when the option letter its reward read (``RolloutBatch.choices``) is not the gold letter, as in
+  :func:`bridge_pl.metrics.trajectory_scores`.
 - **Evidence retrieved**, judged by one of two methods:
 
   * ``gold_passages`` (when the example's ``metadata["gold_passages"]`` is a non-empty list per hop of
     alternative gold passage ids): every hop has at least one of its gold passages among the passages
     shown by the trajectory's searches (any search, any position);
-  * ``answer_string`` (otherwise): some gold answer, normalised as in SQuAD, occurs as a whole-token
-    span of some shown passage's normalised title + text.
+  * ``answer_string`` (otherwise): some gold answer (on a multiple-choice question, the gold option's text)
+    occurs as whole words in some shown passage's title + text (:func:`bridge_pl.rewards.contains_answer`).
 
 - A failed trajectory is a **retrieval miss** if the evidence was not retrieved, else a **reasoning miss**.
 - **recall@k** of one trajectory with gold passage ids: the share of its hops with a gold passage among the
   shown passages (k per search = ``model.retrieval.top_k``), over all its searches; a trajectory that never searched
-  has recall 0.
+  has recall 0. (:func:`retriever_hop_recall` is the query encoder's own recall@k on the world's hop queries.)
 
-Rates over a set of trajectories (see :meth:`CreditCounts.rates`):
+Rates over a set of trajectories (see :meth:`MissCounts.rates`):
 ``retrieval_miss_rate`` = retrieval misses / failed, ``reasoning_miss_rate`` = reasoning misses / failed
 (the two sum to 1), ``failure_rate`` = failed / trajectories, ``recall@k`` = mean recall over trajectories
 with gold passage ids, ``gold_id_share`` = failed trajectories judged by gold ids / failed (which method).
@@ -25,15 +28,21 @@ with gold passage ids, ``gold_id_share`` = failed trajectories judged by gold id
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bridge_pl.data.qa import Passage
-from bridge_pl.rewards import answer_scores, normalize_answer
+from bridge_pl.data.world import hop_probes
+from bridge_pl.metrics import trajectory_scores
+from bridge_pl.records import Passage, QAExample
+from bridge_pl.rewards import contains_answer
 from bridge_pl.rollout.batch import RolloutBatch
+
+if TYPE_CHECKING:
+    from bridge_pl.retrieval.base import Retriever
 
 GoldPassages = Sequence[Sequence[str]]  # per hop, the alternative gold passage ids
 
@@ -48,7 +57,7 @@ class SearchRecord:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The credit analysis of one trajectory.
+    """The miss analysis of one trajectory.
 
     ``retrieved``: the gold evidence was shown by some search (judged by ``method``);
     ``recall``: share of hops retrieved, ``None`` without gold passage ids.
@@ -93,13 +102,15 @@ def hop_recall(shown_ids: Iterable[str], gold_passages: GoldPassages) -> float:
     return sum(any(i in shown for i in hop) for hop in gold_passages) / len(gold_passages)
 
 
-def answer_in_texts(texts: Iterable[str], golds: Sequence[str]) -> bool:
-    """Whether some normalised gold answer is a whole-token span of some normalised text.
-
-    Golds that normalise to the empty string never match (as in :mod:`bridge_pl.rewards`).
-    """
-    needles = [f" {g} " for g in map(normalize_answer, golds) if g]
-    return any(needle in f" {normalize_answer(text)} " for text in texts for needle in needles)
+def retriever_hop_recall(retriever: Retriever, examples: Sequence[QAExample], k: int) -> float:
+    """Recall@k of ``retriever``, with its current query encoder, on the gold passage of every hop of the world's
+    ``examples``: each ``(query, gold id)`` pair of :func:`~bridge_pl.data.world.hop_probes` (the hop queries stored
+    with the questions, not the policy's) scores :func:`hop_recall` of its top ``k`` ids (1 or 0); the mean is over
+    all pairs of all examples. Padding rows (< 0) are no passage."""
+    pairs = [pair for probe in hop_probes(list(examples)).values() for pair in probe]
+    _, rows = retriever.search([query for query, _ in pairs], k)
+    return statistics.mean(hop_recall((retriever.passage(r).id for r in top if r >= 0), [[gold]])
+                           for (_, gold), top in zip(pairs, rows.tolist()))
 
 
 def classify(
@@ -108,25 +119,27 @@ def classify(
     shown: Sequence[Passage],
     gold_passages: GoldPassages | None = None,
     options: dict[str, str] | None = None,
+    choice: str | None = None,
 ) -> Verdict:
     """Classify one trajectory given its answer, the passages its searches showed, and its gold evidence.
 
     ``gold_passages`` (per hop, alternative ids) selects the ``gold_passages`` method; ``None`` or empty
-    selects ``answer_string`` (a gold answer occurs in a shown passage's title or text). For a multiple-choice
-    question (``options``; ``golds`` is the gold letter) the answer is right when it names the gold option, and
-    the string looked for is the gold option's text.
+    selects ``answer_string`` (a gold answer occurs as whole words in a shown passage's title or text). A
+    multiple-choice question (``options``; ``golds`` is the gold letter) is scored by ``choice``, the letter the
+    trajectory's reward read (``RolloutBatch.choices``; None: no option named), never by reading ``answer`` again,
+    and the string looked for is the gold option's text.
     """
-    failed = answer_scores(answer, golds, options)["em"] == 0.0
+    failed = trajectory_scores(answer, golds, options, choice)["em"] == 0.0
     if gold_passages:
         recall = hop_recall((p.id for p in shown), gold_passages)
         return Verdict(failed=failed, retrieved=recall == 1.0, method="gold_passages", recall=recall)
     wanted = [options[golds[0]]] if options else golds
-    retrieved = answer_in_texts((f"{p.title} {p.text}" for p in shown), wanted)
+    retrieved = any(contains_answer(f"{p.title} {p.text}", wanted) for p in shown)
     return Verdict(failed=failed, retrieved=retrieved, method="answer_string", recall=None)
 
 
 @dataclass
-class CreditCounts:
+class MissCounts:
     """Additive tallies of verdicts; sum them across batches and processes, then take :meth:`rates`."""
 
     trajectories: float = 0.0
@@ -138,7 +151,7 @@ class CreditCounts:
     with_gold_ids: float = 0.0  # trajectories (failed or not) that have gold passage ids
 
     @classmethod
-    def of(cls, verdicts: Iterable[Verdict]) -> CreditCounts:
+    def of(cls, verdicts: Iterable[Verdict]) -> MissCounts:
         counts = cls()
         for v in verdicts:
             counts.trajectories += 1
@@ -151,18 +164,18 @@ class CreditCounts:
                 counts.with_gold_ids += 1
         return counts
 
-    def __add__(self, other: CreditCounts) -> CreditCounts:
-        return CreditCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
+    def __add__(self, other: MissCounts) -> MissCounts:
+        return MissCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def to_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[7]`` float64 tensor of the tallies, in field order (for a sum all-reduce)."""
         return torch.tensor(astuple(self), dtype=torch.float64, device=device)
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> CreditCounts:
+    def from_tensor(cls, tensor: torch.Tensor) -> MissCounts:
         values = tensor.tolist()
         if len(values) != len(fields(cls)):
-            raise ValueError(f"CreditCounts.from_tensor: expected {len(fields(cls))} values, got {len(values)}")
+            raise ValueError(f"MissCounts.from_tensor: expected {len(fields(cls))} values, got {len(values)}")
         return cls(*values)
 
     def rates(self) -> dict[str, float]:
@@ -194,5 +207,6 @@ def batch_verdicts(batch: RolloutBatch, passage: Callable[[int], Passage]) -> li
         where = f"example {batch.example_ids[b]!r} of dataset {batch.dataset!r}"
         gold_ids = check_gold_passages(batch.metadata[b].get("gold_passages"), where)
         shown = [p for search in searches for p in search.passages]
-        verdicts.append(classify(batch.answers[b], batch.golds[b], shown, gold_ids, batch.metadata[b].get("options")))
+        verdicts.append(classify(batch.answers[b], batch.golds[b], shown, gold_ids, batch.metadata[b].get("options"),
+                                 batch.choices[b]))
     return verdicts

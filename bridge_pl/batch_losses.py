@@ -74,7 +74,7 @@ def minibatch_row_groups(lengths: Sequence[int], minibatches: int, token_budget:
     return out
 
 
-class RLProblem:
+class BatchLosses:
     """Losses of one batch. Quantities that do not change during the iteration are computed once here.
 
     What is computed once (docs/method.md, "What one iteration computes"): advantages; the reference

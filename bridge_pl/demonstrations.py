@@ -1,4 +1,4 @@
-"""Warm start: a short supervised phase on search demonstrations, before RL.
+"""Search demonstrations and their SFT loss: the warm start, a short supervised phase before RL.
 
 A demonstration is what a competent agent would have written for a training question: a ``<think>``,
 one ``<search>`` per hop (the hop queries the data records, e.g. the world's ``hop_queries``), the
@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from bridge_pl.data.qa import QAExample
+from bridge_pl.records import QAExample
 from bridge_pl.rollout.env import SearchEnv
 
 

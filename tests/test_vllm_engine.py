@@ -8,12 +8,12 @@ invalid turn cut by the budget, an answer), and every field of the trajectories 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
 import shutil
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +24,7 @@ from bridge_pl.models import resolve_model
 from bridge_pl.policy import Policy
 from bridge_pl.records import Passage
 from bridge_pl.rollout import EnvConfig, HFRolloutEngine, SearchEnv, SearchOutcome
+from bridge_pl.rollout.backends import build_engine
 from bridge_pl.rollout.vllm_engine import (
     CPU_BLOCK_SIZE,
     VLLMConfig,
@@ -398,16 +399,21 @@ def test_smollm2_greedy_agrees_with_hf():
     assert [t.searches and t.searches[0].query for t in a] == [t.searches and t.searches[0].query for t in b]
 
 
+def _auto_engine(module, data, processes: int):
+    """The backend ``data.engine=auto`` builds for ``module``'s policy in a run of ``processes``."""
+    collector = data.collector
+    env = SearchEnv(collector.prompts.env, module.policy.tokenizer)
+    return build_engine("auto", env, module.policy, dataclasses.asdict(collector.limits), collector.vllm,
+                        collector.seed, processes)
+
+
 def test_auto_falls_back_to_hf_where_vllm_cannot_run(tmp_path):
     module, data = tiny_module(tmp_path, "--data.engine=auto")  # tiny-llama: heads of 16, below vLLM's CPU kernels
-    env = SearchEnv(data.collector.prompts.env, module.policy.tokenizer)
     with pytest.warns(UserWarning, match="vLLM could not run this policy"):
-        assert isinstance(data._build_engine(env, module.policy), HFRolloutEngine)
+        assert isinstance(_auto_engine(module, data, processes=1), HFRolloutEngine)
 
 
 def test_auto_generates_with_hf_in_runs_of_several_processes(tmp_path):
     """``auto`` picks vLLM in one process only; ``vllm`` under fsdp2 is tests/test_fsdp2.py's."""
     module, data = tiny_module(tmp_path, "--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=auto")
-    data.trainer = SimpleNamespace(world_size=2, global_rank=0)  # what _build_engine reads of a 2-process trainer
-    env = SearchEnv(data.collector.prompts.env, module.policy.tokenizer)
-    assert isinstance(data._build_engine(env, module.policy), HFRolloutEngine)
+    assert isinstance(_auto_engine(module, data, processes=2), HFRolloutEngine)

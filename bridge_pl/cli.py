@@ -10,7 +10,6 @@ parsing: usage and exit status 2); ``BRIDGE_PL_DEBUG=1`` shows the Python traceb
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -31,7 +30,15 @@ from bridge_pl.checkpoint_io import (
     is_named,
     resolve_checkpoint,
 )
-from bridge_pl.config import SolverConfig, group_problems, minibatch_problem
+from bridge_pl.config import (
+    FINITE,
+    LEARNING_RATE,
+    SolverConfig,
+    group_problems,
+    minibatch_problem,
+    raise_problems,
+    rule_problems,
+)
 from bridge_pl.data.datamodule import RolloutDataModule
 from bridge_pl.data.prompt_length import rollout_problems
 from bridge_pl.data.settings import DATA_RULES, data_problems, read_stage_sources
@@ -60,16 +67,12 @@ def _launching_process() -> bool:
 
 def _number_problems(config) -> list[str]:
     """Non-finite numbers and learning rates <= 0 among the ``model.*`` and ``data.*`` options (optimizer
-    ``init_args`` included), as messages naming the option."""
-    problems = []
-    for key, value in config.items():
-        if not key.startswith(("model.", "data.")) or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if not math.isfinite(value):
-            problems.append(f"{key} must be a finite number, got {value}")
-        elif key.rsplit(".", 1)[-1] in ("lr", "neumann_lr") and value <= 0:
-            problems.append(f"{key} (a learning rate) must be > 0, got {value}")
-    return problems
+    ``init_args`` included), as messages naming the option: every number's rule is :data:`FINITE`, or, for an
+    option whose last name part is ``lr`` or ``neumann_lr``, :data:`LEARNING_RATE`."""
+    numeric = {key: value for key, value in config.items() if key.startswith(("model.", "data."))
+               and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    rules = {key: LEARNING_RATE if key.rsplit(".", 1)[-1] in ("lr", "neumann_lr") else FINITE for key in numeric}
+    return rule_problems("", numeric, rules)
 
 
 def config_problems(config) -> list[str]:
@@ -93,7 +96,7 @@ def config_problems(config) -> list[str]:
             make_solver(model.get("mode"), SolverConfig(**dict(model.get("solver").items())))
         except ValueError as error:
             problems.append(str(error))
-    return problems
+    return list(dict.fromkeys(problems))  # a number its group's rules check too (nan, neumann_lr) is named once
 
 
 class BridgeCLI(LightningCLI):
@@ -135,9 +138,9 @@ class BridgeCLI(LightningCLI):
             check_run_start(config)  # continues the run its folder holds; a resume's options fit its checkpoint
         if self.subcommand is not None and config.get("data") is not None:  # QA sets checked before models load
             self._qa_sets = read_stage_sources(self.subcommand, config.get("data"))
-            if problems := rollout_problems(config.get("data"), config.get("model.policy.init_args.model"),
-                                            self._qa_sets.values()):
-                raise ValueError("; ".join(problems))  # budgets and engine against the tokenizer and HF config
+            # budgets and engine against the tokenizer and HF config
+            raise_problems(rollout_problems(config.get("data"), config.get("model.policy.init_args.model"),
+                                            self._qa_sets.values()))
         corpus = config.get("model.retriever.init_args.corpus")
         if self.subcommand is not None and config.get("model.retriever.class_path") in _OWN_RETRIEVERS \
                 and corpus is not None:  # None: a built index (index_path) holds the passages, checked when opened

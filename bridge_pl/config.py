@@ -1,16 +1,86 @@
-"""The typed settings groups of ``BridgeModule``: ``model.rl``, ``model.solver`` and ``model.retrieval``.
+"""The typed settings groups of ``BridgeModule`` (``model.rl``, ``model.solver``, ``model.retrieval``), and the one
+way every setting's range is checked.
 
 Each group is a frozen dataclass: LightningCLI shows it as one section of ``bridge-pl fit --help`` with every
 field's type, default and description (from the ``Args:`` below), and rejects unknown keys and values outside
 a ``Literal``. Ranges and cross-field rules are checked in ``__post_init__``; :func:`group_problems` runs the same
 checks on a parsed config before any model loads. Every message names the option (``model.rl.clip_low``).
+
+The range checks of the whole library are :class:`Rule` tables (option -> test and what the value must be) turned
+into messages by :func:`rule_problems` and raised together by :func:`raise_problems`: these groups, the
+datamodule's (``data.*``, ``data.vllm.*``), the rollout engines', ``DenseRetriever``'s, ``WarmStart``'s and the CLI's
+finiteness and learning-rate checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, NamedTuple, get_args
+
+
+class Rule(NamedTuple):
+    """A range check on one option: its value passes when ``ok(value)`` holds; ``requirement`` completes "must be
+    ..." in the message when it does not (:func:`rule_problems`)."""
+
+    ok: Callable[[Any], bool]
+    requirement: str
+
+    def worded(self, requirement: str) -> Rule:
+        """The same test, described as ``requirement`` (a unit, what null means, a hint)."""
+        return Rule(self.ok, requirement)
+
+
+AT_LEAST_ONE = Rule(lambda v: v >= 1, "an integer >= 1")
+POSITIVE = Rule(lambda v: v > 0, "> 0")
+NON_NEGATIVE = Rule(lambda v: v >= 0, ">= 0")
+UNIT_INTERVAL = Rule(lambda v: 0 <= v <= 1, "in [0, 1]")
+OPEN_UNIT_INTERVAL = Rule(lambda v: 0 < v < 1, "in (0, 1)")
+OPEN_CLOSED_UNIT_INTERVAL = Rule(lambda v: 0 < v <= 1, "in (0, 1]")
+FINITE = Rule(math.isfinite, "a finite number")
+LEARNING_RATE = POSITIVE.worded("> 0 (a learning rate)")
+
+
+def one_of(choices: Any) -> Rule:
+    """The rule that a value is one of the ``Literal`` ``choices``."""
+    allowed = get_args(choices)
+    return Rule(lambda v: v in allowed, f"one of {list(allowed)}")
+
+
+def _problem(option: str, requirement: str, value: Any) -> str:
+    return f"{option} must be {requirement}, got {value!r}"
+
+
+def rule_problems(prefix: str | Callable[[str], str], values: Mapping[str, Any], rules: Mapping[str, Rule],
+                  ) -> list[str]:
+    """The messages "<option> must be <requirement>, got <value>" for the ``values`` (option key -> value) that
+    break their ``rules`` (option key -> :class:`Rule`), in the order of ``rules``; empty when all pass.
+
+    A value that is None (an unset optional option) or absent is skipped. A number that is not finite (nan, ±inf)
+    is reported as such ("must be a finite number"), whatever its rule. ``prefix`` names the options: a string
+    is put before the key with a dot (``"model.rl"`` -> ``model.rl.clip_low``; ``""``: the key is the whole name),
+    a function maps the key to the name (``DenseRetriever option 'batch_size'``).
+    """
+    name = prefix if callable(prefix) else (lambda key: f"{prefix}.{key}" if prefix else key)
+    found = []
+    for key, (ok, requirement) in rules.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        if isinstance(value, numbers.Real) and not math.isfinite(value):
+            found.append(_problem(name(key), FINITE.requirement, value))
+        elif not ok(value):
+            found.append(_problem(name(key), requirement, value))
+    return found
+
+
+def raise_problems(problems: Iterable[str]) -> None:
+    """Raise one ValueError holding every message of ``problems``, joined by "; "; nothing when there are none."""
+    problems = list(problems)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def require_choice(option: str, value: Any, choices: Any) -> Any:
@@ -19,9 +89,9 @@ def require_choice(option: str, value: Any, choices: Any) -> Any:
     LightningCLI already refuses other values when it parses; this guards direct Python construction, where a
     typo would otherwise fall through to a default branch.
     """
-    allowed = get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"{option} must be one of {list(allowed)}, got {value!r}")
+    rule = one_of(choices)
+    if not rule.ok(value):
+        raise ValueError(_problem(option, rule.requirement, value))
     return value
 
 
@@ -29,39 +99,29 @@ Algorithm = Literal["grpo", "ppo"]
 KLKind = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
-_AT_LEAST_ONE: tuple[Callable[[Any], bool], str] = (lambda v: v >= 1, "an integer >= 1")
-_POSITIVE: tuple[Callable[[Any], bool], str] = (lambda v: v > 0, "> 0")
-_NON_NEGATIVE: tuple[Callable[[Any], bool], str] = (lambda v: v >= 0, ">= 0")
-_UNIT_INTERVAL: tuple[Callable[[Any], bool], str] = (lambda v: 0 <= v <= 1, "in [0, 1]")
-
 
 @dataclass(frozen=True)  # all-dataclass bases: jsonargparse then parses a group as plain fields, not a class_path
-class _Checked:
-    """Range checks for a settings group: ``RULES`` maps a field to (test, what it must be); None skips."""
+class Checked:
+    """A frozen settings group checked when built: ``RULES`` maps a field to its :class:`Rule` (:func:`rule_problems`
+    under ``PREFIX``: None skips, a non-finite number is refused), ``cross_field_problems`` adds what no single field
+    shows; ``__post_init__`` raises them all in one ValueError (:func:`raise_problems`)."""
 
     PREFIX: ClassVar[str]
-    RULES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+    RULES: ClassVar[dict[str, Rule]] = {}
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one message per option; empty when they are fine."""
-        found = []
-        for name, (ok, requirement) in self.RULES.items():
-            value = getattr(self, name)
-            if value is not None and not ok(value):
-                found.append(f"{self.PREFIX}.{name} must be {requirement}, got {value!r}")
-        return found + self.cross_field_problems()
+        return rule_problems(self.PREFIX, vars(self), self.RULES) + self.cross_field_problems()
 
     def cross_field_problems(self) -> list[str]:
         return []
 
     def __post_init__(self) -> None:
-        found = self.problems()
-        if found:
-            raise ValueError("; ".join(found))
+        raise_problems(self.problems())
 
 
 @dataclass(frozen=True)
-class RLConfig(_Checked):
+class RLConfig(Checked):
     """The RL losses (``model.rl``): surrogate, KL, critic, aggregation, memory budget.
 
     Args:
@@ -96,11 +156,11 @@ class RLConfig(_Checked):
     """
 
     PREFIX: ClassVar[str] = "model.rl"
-    RULES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "clip_low": _POSITIVE, "clip_high": _POSITIVE, "kl_coef": _NON_NEGATIVE, "entropy_coef": _NON_NEGATIVE,
-        "gamma": _UNIT_INTERVAL, "gae_lambda": _UNIT_INTERVAL, "value_coef": _NON_NEGATIVE,
-        "value_clip": _POSITIVE, "micro_batch_tokens": _AT_LEAST_ONE, "minibatches": _AT_LEAST_ONE,
-        "dual_clip": (lambda v: v > 1, "> 1 (or null: off)"), "tis_cap": (lambda v: v >= 1, ">= 1 (or null: off)"),
+    RULES: ClassVar[dict[str, Rule]] = {
+        "clip_low": POSITIVE, "clip_high": POSITIVE, "kl_coef": NON_NEGATIVE, "entropy_coef": NON_NEGATIVE,
+        "gamma": UNIT_INTERVAL, "gae_lambda": UNIT_INTERVAL, "value_coef": NON_NEGATIVE,
+        "value_clip": POSITIVE, "micro_batch_tokens": AT_LEAST_ONE, "minibatches": AT_LEAST_ONE,
+        "dual_clip": Rule(lambda v: v > 1, "> 1 (or null: off)"), "tis_cap": AT_LEAST_ONE.worded(">= 1 (or null: off)"),
     }
 
     algorithm: Algorithm = "grpo"
@@ -134,7 +194,7 @@ def minibatch_problem(minibatches: int | None, n_samples: int | None) -> str | N
 
 
 @dataclass(frozen=True)
-class SolverConfig(_Checked):
+class SolverConfig(Checked):
     """How many steps each part takes per iteration and the step rules (``model.solver``).
 
     A setting the chosen ``model.mode`` does not use (λ outside ``bridge``, the Neumann series outside
@@ -161,12 +221,12 @@ class SolverConfig(_Checked):
     """
 
     PREFIX: ClassVar[str] = "model.solver"
-    RULES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "phi_steps": _AT_LEAST_ONE, "psi_steps": _AT_LEAST_ONE, "policy_epochs": _AT_LEAST_ONE,
-        "lam_init": _NON_NEGATIVE, "lam_delta": _NON_NEGATIVE, "lam_max": _NON_NEGATIVE,
-        "neumann_steps": _AT_LEAST_ONE, "neumann_lr": _POSITIVE, "grad_clip_policy": _POSITIVE,
-        "grad_clip_retriever": _POSITIVE, "max_nonfinite_skips": _AT_LEAST_ONE,
-        "warn_no_signal_after": _AT_LEAST_ONE,
+    RULES: ClassVar[dict[str, Rule]] = {
+        "phi_steps": AT_LEAST_ONE, "psi_steps": AT_LEAST_ONE, "policy_epochs": AT_LEAST_ONE,
+        "lam_init": NON_NEGATIVE, "lam_delta": NON_NEGATIVE, "lam_max": NON_NEGATIVE,
+        "neumann_steps": AT_LEAST_ONE, "neumann_lr": LEARNING_RATE, "grad_clip_policy": POSITIVE,
+        "grad_clip_retriever": POSITIVE, "max_nonfinite_skips": AT_LEAST_ONE,
+        "warn_no_signal_after": AT_LEAST_ONE,
     }
 
     phi_steps: int = 1
@@ -193,7 +253,7 @@ class SolverConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class RetrievalSampling(_Checked):
+class RetrievalSampling(Checked):
     """How a search becomes shown passages, and how shown lists are credited (``model.retrieval``).
 
     Args:
@@ -209,9 +269,9 @@ class RetrievalSampling(_Checked):
     """
 
     PREFIX: ClassVar[str] = "model.retrieval"
-    RULES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "candidates": _AT_LEAST_ONE, "top_k": _AT_LEAST_ONE, "temperature": _POSITIVE,
-        "teacher_temperature": _POSITIVE, "credit_queries": _AT_LEAST_ONE,
+    RULES: ClassVar[dict[str, Rule]] = {
+        "candidates": AT_LEAST_ONE, "top_k": AT_LEAST_ONE, "temperature": POSITIVE,
+        "teacher_temperature": POSITIVE, "credit_queries": AT_LEAST_ONE,
     }
 
     candidates: int = 10
@@ -226,7 +286,7 @@ class RetrievalSampling(_Checked):
         return []
 
 
-GROUPS: dict[str, type[_Checked]] = {"rl": RLConfig, "solver": SolverConfig, "retrieval": RetrievalSampling}
+GROUPS: dict[str, type[Checked]] = {"rl": RLConfig, "solver": SolverConfig, "retrieval": RetrievalSampling}
 
 
 def group_problems(model_config: Any) -> list[str]:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from tqdm.auto import tqdm
 
+from bridge_pl.config import UNIT_INTERVAL, Rule, raise_problems, require_choice, rule_problems
 from bridge_pl.demonstrations import demonstration_segments, sft_loss, tokenize_demonstration
 from bridge_pl.distributed import average_replicated_grads
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
 from callbacks.progress import plain_line, stdout_is_terminal
+
+ChoiceAnswer = Literal["letter", "text"]
 
 
 class WarmStart(L.Callback):
@@ -42,15 +45,15 @@ class WarmStart(L.Callback):
             from it with ``policy.adapter`` instead of repeating the warm start.
     """
 
+    RULES: ClassVar[dict[str, Rule]] = {"noise": UNIT_INTERVAL}
+
     def __init__(
         self, steps: int = 50, batch_size: int = 8, lr: float = 1e-3, noise: float = 0.3,
         source: str | None = None, seed: int | None = None, grad_clip: float = 1.0, evaluate: bool = True,
-        evaluate_before: bool = True, choice_answer: Literal["letter", "text"] = "letter", save_to: str | None = None,
+        evaluate_before: bool = True, choice_answer: ChoiceAnswer = "letter", save_to: str | None = None,
     ) -> None:
-        if not 0 <= noise <= 1:
-            raise ValueError(f"WarmStart.noise must be in [0, 1], got {noise}")
-        if choice_answer not in ("letter", "text"):
-            raise ValueError(f"WarmStart.choice_answer must be 'letter' or 'text', got {choice_answer!r}")
+        require_choice("WarmStart.choice_answer", choice_answer, ChoiceAnswer)
+        raise_problems(rule_problems("WarmStart", locals(), self.RULES))  # the arguments by name
         self.steps, self.batch_size, self.lr, self.noise = steps, batch_size, lr, noise
         self.source, self.seed, self.grad_clip, self.evaluate = source, seed, grad_clip, evaluate
         self.evaluate_before, self.choice_answer, self.save_to = evaluate_before, choice_answer, save_to

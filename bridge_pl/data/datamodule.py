@@ -16,7 +16,7 @@ import lightning as L
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader
 
-from bridge_pl.config import require_choice
+from bridge_pl.config import raise_problems, require_choice
 from bridge_pl.data.medical import expand_sets
 from bridge_pl.data.settings import DEFAULT_TEST, DEFAULT_VAL, data_problems, read_stage_sources, source_key
 from bridge_pl.data.sources import load_qa
@@ -95,8 +95,7 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        if problems := data_problems(locals()):  # the arguments by name
-            raise ValueError("; ".join(problems))
+        raise_problems(data_problems(locals()))  # the arguments by name
         self.train_source = train
         # mirage:PATH names the five MIRAGE subsets: sets <name>/medqa, ... (see bridge_pl.data.medical)
         self.val_sources = expand_sets(val) if val is not None else dict(DEFAULT_VAL)

@@ -7,35 +7,34 @@ built in Python); every message names the option (``data.<name>``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from bridge_pl.config import AT_LEAST_ONE, OPEN_CLOSED_UNIT_INTERVAL, Rule, rule_problems
 from bridge_pl.data.sources import load_qa
 from bridge_pl.records import QAExample, QASpec
 from bridge_pl.rollout.prompts import template_problem
 
 MIN_TEMPERATURE = 0.01  # data.temperature floor: below it sampling is greedy in float32 and a GRPO group's
 # samples are all alike (no advantage signal); evaluation is greedy anyway
-_AT_LEAST_ONE = ("batch_size", "n_samples", "eval_batch_size", "max_turns", "max_new_tokens_per_turn",
-                 "max_response_tokens", "max_sampling_rounds")
 
-# option (without ``data.``) -> (test, what it must be)
-DATA_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **{key: (lambda v: v >= 1, "an integer >= 1") for key in _AT_LEAST_ONE},
-    "temperature": (lambda v: math.isfinite(v) and v >= MIN_TEMPERATURE,
-                    f"a finite number >= {MIN_TEMPERATURE} (below it every sample of a group is the same)"),
-    "max_eval_examples": (lambda v: v >= 1, "null (all) or an integer >= 1"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "type_mixture": (lambda v: all(math.isfinite(w) and w >= 0 for w in v.values()) and sum(v.values()) > 0,
-                     "finite weights >= 0 with a positive sum"),
+# option (without ``data.``) -> its rule (a non-finite number is refused by rule_problems whatever the rule)
+DATA_RULES: dict[str, Rule] = {
+    **dict.fromkeys(("batch_size", "n_samples", "eval_batch_size", "max_turns", "max_new_tokens_per_turn",
+                     "max_response_tokens", "max_sampling_rounds"), AT_LEAST_ONE),
+    "temperature": Rule(lambda v: v >= MIN_TEMPERATURE,
+                        f"a finite number >= {MIN_TEMPERATURE} (below it every sample of a group is the same)"),
+    "max_eval_examples": AT_LEAST_ONE.worded("null (all) or an integer >= 1"),
+    "top_p": OPEN_CLOSED_UNIT_INTERVAL,
+    "type_mixture": Rule(lambda v: all(math.isfinite(w) and w >= 0 for w in v.values()) and sum(v.values()) > 0,
+                         "finite weights >= 0 with a positive sum"),
 }
 
 
 def data_problems(values: Mapping[str, Any]) -> list[str]:
     """What is wrong with the datamodule's settings ``values`` (option name -> value, unset optional ones None),
     as messages that name the option (``data.<name>``); empty when they are fine."""
-    problems = [f"data.{key} must be {requirement}, got {values[key]!r}"
-                for key, (ok, requirement) in DATA_RULES.items() if values.get(key) is not None and not ok(values[key])]
+    problems = rule_problems("data", values, DATA_RULES)
     for key, extra in (("instruction", ()), ("choice_instruction", ("options",))):
         if values.get(key) is not None and (requirement := template_problem(values[key], extra)):
             problems.append(f"data.{key} must be {requirement}")

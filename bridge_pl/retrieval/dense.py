@@ -18,7 +18,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bridge_pl.config import require_choice
+from bridge_pl.config import AT_LEAST_ONE, Rule, raise_problems, require_choice, rule_problems
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.files import is_verified, write_verified
 from bridge_pl.records import CorpusSpec, Passage
@@ -193,6 +193,9 @@ class DenseRetriever(Retriever):
     Passages are encoded as ``Passage.contents`` (FlashRAG ``"title"\\ntext``).
     """
 
+    RULES: ClassVar[dict[str, Rule]] = dict.fromkeys(  # messages name the option as in model.retriever.init_args
+        ("batch_size", "rerank_factor", "max_query_length", "max_passage_length"), AT_LEAST_ONE.worded(">= 1"))
+
     def __init__(
         self,
         corpus: CorpusSpec | None = None,
@@ -226,11 +229,7 @@ class DenseRetriever(Retriever):
         if unknown:
             raise ValueError(f"DenseRetriever option 'index_options' has unknown keys {unknown}; "
                              f"allowed: {list(INDEX_OPTIONS)}")
-        positive = {"batch_size": batch_size, "rerank_factor": rerank_factor,
-                    "max_query_length": max_query_length, "max_passage_length": max_passage_length}
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"DenseRetriever option '{name}' must be >= 1, got {value}")
+        raise_problems(rule_problems(lambda key: f"DenseRetriever option '{key}'", locals(), self.RULES))
         self.passage_prefix = passage_prefix
         self.max_passage_length = max_passage_length
         self.batch_size = batch_size

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bridge_pl.attention import MIN_SHARED_PREFIX
+from bridge_pl.config import AT_LEAST_ONE, OPEN_CLOSED_UNIT_INTERVAL, POSITIVE, Rule, raise_problems, rule_problems
 from bridge_pl.eval_mode import eval_mode
 from bridge_pl.records import Passage
 from bridge_pl.rollout.env import Action, SearchEnv
@@ -213,6 +214,10 @@ class MultiTurnEngine:
     """
 
     name: str  # the backend's data.engine name
+    RULES: ClassVar[dict[str, Rule]] = {
+        **dict.fromkeys(("max_turns", "max_new_tokens_per_turn", "max_response_tokens"), AT_LEAST_ONE.worded(">= 1")),
+        "temperature": POSITIVE.worded("> 0 (use greedy=True)"), "top_p": OPEN_CLOSED_UNIT_INTERVAL,
+    }
 
     def __init__(
         self,
@@ -223,14 +228,7 @@ class MultiTurnEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
     ) -> None:
-        for name, value in (("max_turns", max_turns), ("max_new_tokens_per_turn", max_new_tokens_per_turn),
-                            ("max_response_tokens", max_response_tokens)):
-            if value < 1:
-                raise ValueError(f"{type(self).__name__}.{name} must be >= 1, got {value}")
-        if temperature <= 0:
-            raise ValueError(f"{type(self).__name__}.temperature must be > 0 (use greedy=True), got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"{type(self).__name__}.top_p must be in (0, 1], got {top_p}")
+        raise_problems(rule_problems(type(self).__name__, locals(), self.RULES))  # the arguments by name
         self.env = env
         self.max_turns = max_turns
         self.max_new_tokens_per_turn = max_new_tokens_per_turn

@@ -39,13 +39,13 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from bridge_pl.config import require_choice
+from bridge_pl.config import AT_LEAST_ONE, OPEN_UNIT_INTERVAL, Checked, Rule, require_choice
 from bridge_pl.distributed import is_dtensor
 from bridge_pl.rollout.engine import MultiTurnEngine, SampledTurn, SearchFn, Trajectory, eos_token_ids
 
@@ -58,7 +58,7 @@ DEFAULT_MAX_MODEL_LEN = 8192  # tokens: the engine's length when data.vllm.max_m
 
 
 @dataclass(frozen=True)
-class VLLMConfig:
+class VLLMConfig(Checked):
     """Settings of the ``vllm`` generation backend (``data.vllm``).
 
     Attributes:
@@ -82,6 +82,13 @@ class VLLMConfig:
             Not available on CPU (vLLM's sleep mode needs CUDA's memory pools).
     """
 
+    PREFIX: ClassVar[str] = "data.vllm"
+    RULES: ClassVar[dict[str, Rule]] = {
+        "kv_cache_gb": AT_LEAST_ONE.worded(">= 1 (GiB)"), "gpu_memory_utilization": OPEN_UNIT_INTERVAL,
+        "max_model_len": Rule(lambda v: v >= 2, ">= 2"), "max_num_seqs": AT_LEAST_ONE.worded(">= 1"),
+        "block_size": Rule(lambda v: v >= 1 and v % 16 == 0, "a positive multiple of 16"),
+    }
+
     kv_cache_gb: int = 2
     gpu_memory_utilization: float = 0.3
     compile: bool = False
@@ -92,19 +99,14 @@ class VLLMConfig:
     sleep: bool = False
 
     def __post_init__(self) -> None:
-        require_choice("data.vllm.weight_sync", self.weight_sync, WeightSync)
-        if self.kv_cache_gb < 1:
-            raise ValueError(f"data.vllm.kv_cache_gb must be >= 1 (GiB), got {self.kv_cache_gb}")
-        if not 0 < self.gpu_memory_utilization < 1:
-            raise ValueError(f"data.vllm.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"data.vllm.max_model_len must be >= 2, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"data.vllm.max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.block_size is not None and (self.block_size < 1 or self.block_size % 16):
-            raise ValueError(f"data.vllm.block_size must be a positive multiple of 16, got {self.block_size}")
+        require_choice("data.vllm.weight_sync", self.weight_sync, WeightSync)  # a choice: None is refused too
+        super().__post_init__()
+
+    def cross_field_problems(self) -> list[str]:
+        # not a range but this machine: reported with the range problems, in the same ValueError
         if self.sleep and not torch.cuda.is_available():
-            raise ValueError("data.vllm.sleep=true needs CUDA (vLLM's sleep mode); set it to false on CPU")
+            return ["data.vllm.sleep=true needs CUDA (vLLM's sleep mode); set it to false on CPU"]
+        return []
 
 
 def engine_max_model_len(max_model_len: int | None, hf_config) -> int:

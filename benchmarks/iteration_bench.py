@@ -73,7 +73,7 @@ Floors, in their own subprocess with the same config and seed, which regenerates
 Usage (timings need an otherwise idle machine)::
 
     python benchmarks/iteration_bench.py                                   # configs/demo.yaml, a few minutes
-    python benchmarks/iteration_bench.py --config tests/configs/tiny.yaml --threads 1 --json /tmp/it.json
+    python benchmarks/iteration_bench.py --config configs/smoke.yaml --threads 1 --json /tmp/it.json
     python benchmarks/iteration_bench.py --modes frozen bridge --override --model.retrieval.credit_queries=4
 """
 

@@ -21,7 +21,7 @@ both engines write token for token, where the others part (the first differing r
 float32 log-probs) on the vLLM trajectories. Timings need an otherwise idle machine. Usage::
 
     python benchmarks/rollout_bench.py --json benchmarks/results/rollout_bench.json
-    python benchmarks/rollout_bench.py --config tests/configs/tiny.yaml --warm-steps 0 --eval 4 \\
+    python benchmarks/rollout_bench.py --config configs/smoke.yaml --warm-steps 0 --eval 4 \\
         --model.policy.init_args.model=tiny-llama-hd32
 """
 

@@ -33,7 +33,7 @@ refused, naming the file; the folder is deleted once the record is written. The 
 ``LossLandscape`` probes are left out of every run. Usage::
 
     python experiments/compare_modes.py                                   # configs/demo.yaml, seeds 0 1 2
-    python experiments/compare_modes.py --config tests/configs/tiny.yaml --max-steps 2 --seeds 0   # plumbing
+    python experiments/compare_modes.py --config configs/smoke.yaml --max-steps 2 --seeds 0   # plumbing
     python experiments/compare_modes.py --modes frozen bridge --data.batch_size=4   # extra args: config overrides
     python experiments/compare_modes.py --max-steps 8 --table-only   # the report so far, from the records
 """

@@ -17,7 +17,7 @@ from bridge_pl.cli import BridgeCLI
 
 TESTS = Path(__file__).parent
 CONFIGS = TESTS / "configs"
-TINY = str(CONFIGS / "tiny.yaml")
+TINY = str(TESTS.parent / "configs" / "smoke.yaml")  # the smoke run users are given
 STEER = 50.0
 
 

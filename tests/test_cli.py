@@ -7,7 +7,7 @@ from typing import get_args
 
 import pytest
 import torch
-from helpers import CONFIGS, fit_tiny
+from helpers import CONFIGS, TINY, fit_tiny
 
 from bridge_pl.cli import main
 from bridge_pl.config import GROUPS, Algorithm, KLKind, LossAgg
@@ -39,7 +39,7 @@ def test_fit_help(capsys):
 
 def test_print_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--print_config"])
+        main(["fit", "--config", TINY, "--print_config"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "bridge_pl.retrieval.dense.DenseRetriever" in out and "mode: bridge" in out
@@ -67,7 +67,7 @@ def test_world_files_honour_the_umask(tmp_path, capsys, umask):
 
 
 def test_retriever_plugged_in_by_class_path(tmp_path):
-    cli = fit_tiny(tmp_path, configs=(str(CONFIGS / "tiny.yaml"), str(CONFIGS / "plugin.yaml")))
+    cli = fit_tiny(tmp_path, configs=(TINY, str(CONFIGS / "plugin.yaml")))
     retriever = cli.model.retriever
     assert type(retriever).__name__ == "HashedBagRetriever"
     assert retriever.version == 2  # one φ step per iteration in bridge mode
@@ -77,7 +77,7 @@ def test_retriever_plugged_in_by_class_path(tmp_path):
 
 def test_config_saved_without_clobber_error_on_rerun(tmp_path):
     for _ in range(2):
-        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+        main(["fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
               "--trainer.max_steps=1"])
     assert list(tmp_path.rglob("config.yaml"))
 

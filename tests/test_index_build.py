@@ -197,7 +197,7 @@ def test_bad_build_options_end_in_one_line(tmp_path, capsys, args, message):
 ])
 def test_a_config_pointing_at_the_wrong_index_fails_in_one_line(world_index, tmp_path, capsys, override, message):
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(Path(__file__).parent / "configs" / "tiny.yaml"),
+        main(["fit", "--config", TINY,
               f"--trainer.default_root_dir={tmp_path}", f"--model.retriever.init_args.index_path={world_index}",
               override])
     errors = [line for line in capsys.readouterr().err.splitlines() if "bridge-pl: error:" in line]

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_iteration_bench_prints_phases_floors_and_ratios(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/iteration_bench.py"), "--config", str(ROOT / "tests/configs/tiny.yaml"),
+        [sys.executable, str(ROOT / "benchmarks/iteration_bench.py"), "--config", str(ROOT / "configs/smoke.yaml"),
          "--threads", "1", "--modes", "frozen", "bridge", "--json", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
@@ -34,7 +34,7 @@ def test_warm_child_runs_a_configs_warm_start_beside_its_checkpoint_callback(tmp
     """The demo's config checkpoints (ValidatedCheckpoint); the warm child must not switch checkpointing off
     (Lightning refuses that beside a checkpoint callback) and must save the warm-started adapter."""
     config = tmp_path / "warm.yaml"
-    tiny = (ROOT / "tests/configs/tiny.yaml").read_text().replace("enable_checkpointing: false", "callbacks:\n"
+    tiny = (ROOT / "configs/smoke.yaml").read_text().replace("enable_checkpointing: false", "callbacks:\n"
         "    - class_path: callbacks.WarmStart\n      init_args: {steps: 1, batch_size: 2}\n"
         "    - class_path: callbacks.ValidatedCheckpoint\n      init_args: {every_n_train_steps: 1, save_last: true}")
     config.write_text(tiny)

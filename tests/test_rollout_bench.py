@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rollout_bench_compares_both_backends_with_a_floor(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/rollout_bench.py"), "--config", str(ROOT / "tests/configs/tiny.yaml"),
+        [sys.executable, str(ROOT / "benchmarks/rollout_bench.py"), "--config", str(ROOT / "configs/smoke.yaml"),
          "--threads", "1", "--warm-steps", "0", "--eval", "4", "--json", str(out),
          "--model.policy.init_args.model=tiny-llama-hd32", "--data.vllm.kv_cache_gb=1",
          "--data.vllm.max_model_len=1024", f"--trainer.default_root_dir={tmp_path}"],

@@ -25,8 +25,9 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/bridge-pl fit --config configs/demo.yaml
 
+# The whole suite; it ends with the 25 slowest tests, where a faster loop starts.
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The suite without the tests marked slow (real packaged models, multi-process and killed-and-resumed fits).
 test-fast: install

@@ -1,4 +1,5 @@
-"""Rollouts: the search environment (tag grammar, replies) and the batched multi-turn engine."""
+"""Rollouts: the collector (QA examples in, a scored batch out), the search environment (tag grammar, replies)
+and the batched multi-turn engines."""
 
 from bridge_pl.rollout.engine import HFRolloutEngine, SearchCall, SearchOutcome, Trajectory
 from bridge_pl.rollout.env import Action, EnvConfig, SearchEnv

@@ -10,8 +10,10 @@ parsing: usage and exit status 2); ``BRIDGE_PL_DEBUG=1`` shows the Python traceb
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -59,6 +61,34 @@ def _warn(message: str) -> None:
     sys.stderr.write(f"bridge-pl: warning: {message}\n")
 
 
+class _LightningTips(logging.Filter):
+    """Drops Lightning's "💡 Tip: ..." lines (try litlogger, try litmodels): advertisements, shown by Lightning
+    whenever the run has no LitLogger; its other lines (the devices, ``Trainer.fit`` stopped, ...) pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip:")
+
+
+def _quiet_lightning() -> None:
+    """What Lightning prints that a bridge-pl user did not ask for and cannot act on, left out (once per process):
+
+    - its tips (:class:`_LightningTips`);
+    - the FutureWarning torch raises at Lightning's own use of ``torch.utils._pytree.LeafSpec`` (a deprecation met
+      in bridge-pl's code or a plug-in's still shows);
+    - its advice to log with ``sync_dist=True``, given for every epoch-level value logged while torch.distributed
+      is initialized (a vLLM engine initializes a one-process group too), for the names bridge-pl logs so: the
+      ``val/*`` and ``test/*`` values are pooled across ranks before they are logged (QAMetrics, MissReport,
+      QAEval) and ``step`` is the same on every rank.
+    """
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # where rank_zero_info writes
+    if not any(isinstance(f, _LightningTips) for f in rank_zero_logger.filters):
+        rank_zero_logger.addFilter(_LightningTips())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('((val|test)/[^']*|step)', ",
+                            module=r"lightning\.pytorch\.trainer\.connectors\.logger_connector\.result")
+
+
 def _launching_process() -> bool:
     """Whether this is the process a user started, not a rank Lightning or a launcher (torchrun, srun) started."""
     ranks = (os.environ.get(name, "0") for name in ("LOCAL_RANK", "RANK", "NODE_RANK", "SLURM_PROCID"))
@@ -101,11 +131,14 @@ def config_problems(config) -> list[str]:
 
 class BridgeCLI(LightningCLI):
     """LightningCLI with bridge-pl's defaults: the run's config saved with overwrite, verified atomic checkpoints,
-    one run per directory, a checkpoint on SIGTERM / SIGINT."""
+    one run per directory, a checkpoint on SIGTERM / SIGINT, no model summary unless asked for
+    (``trainer.enable_model_summary: true``), and none of Lightning's tips."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)  # two optimizers come from model init args
+        kwargs["trainer_defaults"] = {"enable_model_summary": False, **(kwargs.get("trainer_defaults") or {})}
+        _quiet_lightning()
         self._lock: RunLock | None = None
         self._qa_sets: dict[str, list] | None = None  # the command's QA sets, read while checking the config
         try:

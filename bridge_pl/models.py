@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from bridge_pl.terminal import hf_bars_on_terminal_only
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -51,7 +53,8 @@ def _atomic_build(target: Path, build: Callable[[Path], None]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        build(tmp)
+        with hf_bars_on_terminal_only():
+            build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race
@@ -184,11 +187,13 @@ def load_causal_lm(name: str, dtype: torch.dtype | None = None, **kwargs):
     """An ``AutoModelForCausalLM`` for ``name`` (float32 unless ``dtype`` says otherwise)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype or torch.float32, **kwargs)
+    with hf_bars_on_terminal_only():  # transformers' "Loading weights" bar: on a terminal only
+        return AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype or torch.float32, **kwargs)
 
 
 def load_encoder(name: str, dtype: torch.dtype | None = None):
     """An ``AutoModel`` encoder (e.g. BERT/MiniLM/E5) for ``name``."""
     from transformers import AutoModel
 
-    return AutoModel.from_pretrained(resolve_model(name), dtype=dtype or torch.float32)
+    with hf_bars_on_terminal_only():
+        return AutoModel.from_pretrained(resolve_model(name), dtype=dtype or torch.float32)

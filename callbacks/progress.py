@@ -1,36 +1,25 @@
 """``BridgeProgressBar``: a progress bar whose postfix shows chosen logged metrics (reward, val EM, ...), and plain
 progress lines where there is no terminal.
 
-A ``RichProgressBar`` when ``rich`` is installed, else a ``TQDMProgressBar``. Both draw only on a terminal: when
-stdout is a pipe or a file (``make demo > demo.log``, a job scheduler's log) the bar is turned off and one line is
-printed per training iteration and per evaluation instead. Use it in YAML as
+A ``RichProgressBar`` when ``rich`` is installed, else a ``TQDMProgressBar``. Both draw only on a terminal (the
+rule of ``bridge_pl.terminal``): when stdout is a pipe or a file (``make demo > demo.log``, a job scheduler's log)
+the bar is turned off and one line is printed per training iteration and per evaluation instead. Use it in YAML as
 ``trainer.callbacks: [{class_path: callbacks.progress.BridgeProgressBar}]``.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 import time
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.utilities import rank_zero_only
 from lightning_utilities.core.imports import RequirementCache
+
+from bridge_pl.terminal import plain_line, stdout_is_terminal
 
 _BASE = RichProgressBar if RequirementCache("rich") else TQDMProgressBar
 _DATASET_EM = re.compile(r"^(val|test)/([^/]+)/em$")  # one dataset's EM, not the mean over datasets or by type
-
-
-def stdout_is_terminal() -> bool:
-    """Whether progress bars can draw: stdout is a terminal (not a pipe, a file or a scheduler's log)."""
-    return sys.stdout.isatty()
-
-
-@rank_zero_only
-def plain_line(text: str) -> None:
-    """Print one progress line on stdout, flushed at once (rank 0 only)."""
-    print(text, flush=True)
 
 
 class BridgeProgressBar(_BASE):

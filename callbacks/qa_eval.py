@@ -56,7 +56,7 @@ from bridge_pl.metrics import set_means, trajectory_scores
 from bridge_pl.miss_analysis import trajectory_searches
 from bridge_pl.records import Passage
 from bridge_pl.rollout.batch import RolloutBatch
-from callbacks.progress import plain_line
+from bridge_pl.terminal import plain_line
 
 JUDGE_PROGRESS_EVERY_S = 30.0  # seconds between the judge's progress lines
 

@@ -16,7 +16,7 @@ from bridge_pl.demonstrations import demonstration_segments, sft_loss, tokenize_
 from bridge_pl.distributed import average_replicated_grads
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
-from callbacks.progress import plain_line, stdout_is_terminal
+from bridge_pl.terminal import plain_line, stdout_is_terminal
 
 ChoiceAnswer = Literal["letter", "text"]
 

@@ -6,9 +6,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def weight_loads():
+    """The descriptions of the progress bars transformers opens during the test, drawn or not (without a terminal
+    they are not drawn): ``"Loading weights"`` once per model loaded. Read through transformers' tqdm hook."""
+    from transformers.utils import logging as hf_logging
+
+    opened: list[str] = []
+
+    def hook(factory, args, kwargs):
+        opened.append(kwargs.get("desc", ""))
+        return factory(*args, **kwargs)
+
+    previous = hf_logging.set_tqdm_hook(hook)
+    yield opened
+    hf_logging.set_tqdm_hook(previous)
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -24,7 +24,7 @@ from bridge_pl.cli import main
 from bridge_pl.data.packaged import wikipedia_corpus
 from bridge_pl.data.qa import write_corpus
 from bridge_pl.records import Passage
-from bridge_pl.retrieval.built_index import INDEX_FILE, BuiltIndex, Progress
+from bridge_pl.retrieval.built_index import INDEX_FILE, BuiltIndex
 from bridge_pl.retrieval.index import DenseIndex, default_nlist, default_pq_m, topk_overlap
 from bridge_pl.retrieval.store import (
     EmbeddingStore,
@@ -34,6 +34,7 @@ from bridge_pl.retrieval.store import (
     write_embedding_shard,
     write_passage_store,
 )
+from bridge_pl.terminal import Progress
 from callbacks import LossLandscape, WarmStart
 
 BUILD = ["index", "build", "--corpus", "world", "--encoder", "tiny-bert", "--kind", "ivf_pq", "--nbits", "4",

@@ -35,3 +35,20 @@ def test_a_fit_into_a_pipe_prints_one_line_per_step_iteration_and_evaluation(tmp
     assert re.fullmatch(rf"validation after iteration 2: world_dev EM {number}, {seconds}", evaluations[0])
     assert lines.index(warm[-1]) < lines.index(iterations[0]) < lines.index(iterations[1]) < lines.index(evaluations[0])
     assert "\r" not in run.stdout + run.stderr  # no bar redrawn in place, neither Lightning's nor the warm start's
+
+
+def test_encoding_a_corpus_without_a_terminal_prints_a_plain_line(tmp_path, capsys):
+    """The retriever's corpus encoding follows the same rule: no bar when stdout is not a terminal, plain lines on
+    stdout (every 10 s, and one when the corpus is done)."""
+    from bridge_pl.records import Passage
+    from bridge_pl.retrieval.dense import DenseRetriever
+
+    passages = [Passage(str(i), f"title {i}", f"passage number {i} of the corpus") for i in range(50)]
+    retriever = DenseRetriever(corpus=passages, encoder="tiny-bert", cache_dir=str(tmp_path), batch_size=8)
+    capsys.readouterr()
+    retriever.prepare()
+    out, err = capsys.readouterr()
+    assert retriever.encoded_passages == 50
+    (line,) = [line for line in out.splitlines() if line.startswith("encode passages")]
+    assert re.fullmatch(r"encode passages: 50/50 psg \(100\.0%\), [\d,]+\.\d psg/s, ETA 00:00:00", line)
+    assert "\r" not in out + err and "encode passages" not in err  # no bar drawn, on either stream

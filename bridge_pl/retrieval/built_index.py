@@ -23,12 +23,9 @@ from __future__ import annotations
 import inspect
 import json
 import re
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
 
 import numpy as np
 import torch
@@ -46,6 +43,7 @@ from bridge_pl.retrieval.store import (
     write_embedding_shard,
     write_passage_store,
 )
+from bridge_pl.terminal import Progress
 
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
@@ -71,54 +69,6 @@ def inner_products(q: torch.Tensor, p: torch.Tensor, rows: torch.Tensor) -> torc
     ``rows`` ``[Q, K]`` is -1. The one formula for search-time and training-time scores."""
     scores = torch.einsum("qd,qkd->qk", q, p)
     return scores.masked_fill(rows.to(q.device) < 0, float("-inf"))
-
-
-class Progress:
-    """Counts done/total with rate and ETA: a tqdm bar on a terminal, else one plain line per ``every_s``."""
-
-    def __init__(self, total: int, desc: str, unit: str, stream: TextIO | None = None, every_s: float = 10.0,
-                 enabled: bool = True) -> None:
-        self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
-        self.stream = stream or sys.stderr
-        self.done = self._counted = 0
-        self._start = self._last = time.monotonic()
-        self._bar = None
-        self.enabled = enabled
-        if enabled and self.stream.isatty():
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream)
-
-    def skip(self, n: int) -> None:
-        """``n`` items already done by an earlier run (not counted in the rate)."""
-        self.done += n
-        if self._bar is not None:
-            self._bar.update(n)
-
-    def update(self, n: int) -> None:
-        self.done += n
-        self._counted += n
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if self.enabled and (now - self._last >= self.every_s or self.done >= self.total):
-            self._last = now
-            self.stream.write(self.line(now - self._start) + "\n")
-            self.stream.flush()
-
-    def line(self, elapsed: float) -> str:
-        """``"desc: done/total unit (pct), rate unit/s, ETA h:mm:ss"``."""
-        rate = self._counted / elapsed if elapsed > 0 else 0.0
-        left = (self.total - self.done) / rate if rate > 0 else float("nan")
-        eta = time.strftime("%H:%M:%S", time.gmtime(left)) if left == left else "?"
-        pct = 100.0 * self.done / max(self.total, 1)
-        return (f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({pct:.1f}%), "
-                f"{rate:,.1f} {self.unit}/s, ETA {eta}")
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 REBUILD = "rebuild with `bridge-pl index build`"

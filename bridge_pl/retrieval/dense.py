@@ -16,6 +16,7 @@ import copy
 import hashlib
 import json
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -24,7 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from bridge_pl.config import AT_LEAST_ONE, Rule, raise_problems, require_choice, rule_problems
 from bridge_pl.eval_mode import eval_mode
@@ -34,6 +34,7 @@ from bridge_pl.retrieval.base import Retriever
 from bridge_pl.retrieval.built_index import BuiltIndex, inner_products
 from bridge_pl.retrieval.index import DenseIndex, IndexKind
 from bridge_pl.retrieval.store import EmbeddingStore
+from bridge_pl.terminal import Progress, is_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,8 @@ class DenseRetriever(Retriever):
         rerank_stale / rerank_factor: over-retrieve ``rerank_factor * k`` candidates from a (possibly
             stale) index and rerank them with the current passage tower (Atlas); implies ``allow_stale``.
             ``rerank_factor`` is also the over-retrieval of an approximate built index (``index_path``).
-        progress: show a tqdm bar while encoding the corpus.
+        progress: show the corpus encoding's progress (rank 0 only): a bar when stdout is a terminal, else a
+            plain line on stdout every 10 s and one at the end (``bridge_pl.terminal.Progress``).
         disable_dropout: zero every ``nn.Dropout`` in the towers, so that :meth:`score` in train mode equals
             the eval-mode :meth:`search` scores (the rollout's log-probs and the update's agree).
 
@@ -353,9 +355,13 @@ class DenseRetriever(Retriever):
     def _encode_corpus(self) -> np.ndarray:
         """``[N, D]`` float32 embeddings of the whole corpus, under no_grad, in eval mode."""
         passages = self.passages
-        with tqdm(total=len(passages), desc="encode passages", unit="psg", disable=not self.progress) as bar:
+        bar = Progress(len(passages), "encode passages", "psg", stream=sys.stdout,
+                       enabled=self.progress and is_rank_zero())
+        try:
             out = encode_by_length(self._passage_side(), [p.contents for p in passages], self.batch_size,
                                    self.passage_prefix, self.max_passage_length, bar.update)
+        finally:
+            bar.close()
         self.encoded_passages += len(passages)
         return out
 

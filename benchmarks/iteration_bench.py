@@ -81,9 +81,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
-import gc
 import hashlib
 import json
 import os
@@ -94,6 +92,8 @@ import threading
 import time
 import warnings
 from pathlib import Path
+
+from bridge_pl.memory import release_heap, reset_peak, status_kb
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("frozen", "retriever_first", "bridge", "implicit")
@@ -260,30 +260,14 @@ class RssSampler:
         self.thread.join()
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise OSError(f"/proc/self/status has no {field}")
-
-
-def _reset_hwm() -> bool:
-    """Reset the kernel's RSS high-water mark to the current RSS (Linux); False where that is not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        _status_kb("VmHWM")
-        return True
-    except OSError:
-        return False
+_status_kb, _reset_hwm = status_kb, reset_peak  # bridge_pl.memory: /proc/self/status, /proc/self/clear_refs
 
 
 def settle() -> int:
-    """Collect garbage, return freed heap to the OS; the RSS (bytes) after that."""
+    """Collect garbage, return freed heap to the OS (``bridge_pl.memory.release_heap``); the RSS (bytes) after."""
     import psutil
 
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_heap()
     return psutil.Process().memory_info().rss
 
 

@@ -6,6 +6,7 @@ Each module is thin and calls into ``bridge_pl``.
 from callbacks.checkpoint import ValidatedCheckpoint
 from callbacks.index_refresh import IndexRefresh
 from callbacks.landscape import LossLandscape
+from callbacks.memory import MemoryAccount
 from callbacks.miss_report import CreditReport as CreditReport  # MissReport's deprecated name, for old configs
 from callbacks.miss_report import MissReport
 from callbacks.progress import BridgeProgressBar
@@ -13,5 +14,6 @@ from callbacks.qa_eval import QAEval
 from callbacks.warm_start import WarmStart
 
 __all__ = [
-    "BridgeProgressBar", "IndexRefresh", "LossLandscape", "MissReport", "QAEval", "ValidatedCheckpoint", "WarmStart",
+    "BridgeProgressBar", "IndexRefresh", "LossLandscape", "MemoryAccount", "MissReport", "QAEval",
+    "ValidatedCheckpoint", "WarmStart",
 ]

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("records and utilities", ("records", "files", "seeding", "eval_mode", "config", "distributed", "run_lock",
-                               "checkpoint_io", "models")),
+                               "checkpoint_io", "models", "terminal", "memory")),
     ("readers and pure math", ("data.qa", "data.medical", "data.packaged", "data.world", "data.sources", "rewards",
                                "rl", "attention", "judge", "loss_surface")),
     ("the two learners", ("policy", "retrieval")),

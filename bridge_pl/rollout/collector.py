@@ -145,18 +145,24 @@ class RolloutCollector:
         first call)."""
         policy = agent.policy
         if self.engine is None:
-            env = SearchEnv(self.prompts.env, policy.tokenizer)
-            self.engine = build_engine(self.engine_name, env, policy, asdict(self.limits), self.vllm, self.seed,
-                                       world_size())
-            self.generator = torch.Generator(device=agent.device).manual_seed(
-                derive_seed(self.seed, "rollout", process_rank()))
-            if self._generator_state is not None:
-                self.generator.set_state(self._generator_state)
+            self.start_engine(agent)
         return self.engine.rollout(
             policy, [self.prompts.ids(policy.tokenizer, ex.question, ex.metadata.get("options")) for ex in examples],
             search_fn=lambda queries: agent.retrieve(queries, stochastic=training, generator=self.generator),
             n_samples=self.groups.n_samples if training else 1, greedy=not training, generator=self.generator,
         )
+
+    def start_engine(self, agent: RolloutAgent) -> None:
+        """Build the backend for ``agent``'s policy (for vLLM: its weights pushed) and the sampling generator; the
+        first rollout calls it (``callbacks.MemoryAccount`` measures it as a phase of its own)."""
+        policy = agent.policy
+        env = SearchEnv(self.prompts.env, policy.tokenizer)
+        self.engine = build_engine(self.engine_name, env, policy, asdict(self.limits), self.vllm, self.seed,
+                                   world_size())
+        self.generator = torch.Generator(device=agent.device).manual_seed(
+            derive_seed(self.seed, "rollout", process_rank()))
+        if self._generator_state is not None:
+            self.generator.set_state(self._generator_state)
 
     def score(self, tokenizer, trajectories: Sequence[Trajectory], examples: Sequence[QAExample]) -> list[Score]:
         """A :class:`~bridge_pl.rollout.scoring.Score` per trajectory (``examples[i]``: trajectory i's question)."""

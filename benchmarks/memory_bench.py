@@ -25,10 +25,12 @@ the phase cannot do without, from the run's own shapes (``MemoryAccount``'s ``si
   no-op), q, k, v and the rotated q, k (d (2h + 3kv)), the attention output (d h) and the MLP's gate, up, activation
   and product (4 d i): ``42h + 6kv + 12i`` in bfloat16, ``28h + 12kv + 16i`` in float32. An estimate: the
   attention's own saved state (softmax weights, where the kernel keeps them) and the LoRA ranks' small tensors are
-  left out. In a mode whose solver couples θ to the retriever (``bridge``: ``keeps_credit_graph``) the LM-credit
-  forward's graph is kept from the batch's construction to the coupling backward at the end of the θ step, so the
-  activations of all the batch's LM-credit tokens (packed rows: prefix + every branch + target) are live beside
-  the micro-batch's, at the same per-token estimate. Plus the LM head's float32 logits for one
+  left out. With gradient checkpointing: each layer's input (d h per token and layer) plus one layer's
+  activations at that estimate. A solver that couples θ to the retriever (``bridge``) over a checkpointed policy
+  keeps the LM-credit forward's graph from the batch's construction to the coupling backward
+  (``keeps_credit_graph``): the layer inputs of all the batch's LM-credit tokens (packed rows: prefix + every branch
+  + target) are live beside the micro-batch's. Without checkpointing none is kept: the coupling recomputes the
+  credit forward one token budget at a time, after the policy's micro-batches. Plus the LM head's float32 logits for one
   ``policy.logprob_chunk`` of scored tokens (the policy chunks the head and recomputes each chunk in backward:
   chunk x vocab x 4 bytes; softmax and its gradient add about two more of that size while a chunk runs backward).
 
@@ -185,9 +187,11 @@ def floors(records: list[dict], sizes: dict, libraries: dict[str, int | None]) -
     micro_tokens = min(sizes.get("micro_batch_tokens") or 0, train.get("rows", 0) * train.get("width", 0))
     per_token, formula = per_token_layer_bytes(config, dtype_bytes)
     checkpointing = sizes.get("gradient_checkpointing")
-    activations = 0 if checkpointing else micro_tokens * layers * per_token
+    # checkpointed: each layer's input (hidden x dtype bytes per token and layer) plus one layer recomputed
+    kept_per_token = config["hidden_size"] * dtype_bytes * layers
+    activations = micro_tokens * (kept_per_token + per_token) if checkpointing else micro_tokens * layers * per_token
     credit_tokens = max((r["info"].get("credit_tokens", 0) for r in records if r["phase"] == "rollout"), default=0)
-    credit = 0 if checkpointing or not sizes.get("keeps_credit_graph") else credit_tokens * layers * per_token
+    credit = credit_tokens * kept_per_token if sizes.get("keeps_credit_graph") else 0
     chunk = min(sizes.get("logprob_chunk") or 0, train.get("sampled_tokens", micro_tokens))  # the head scores those
     logits = chunk * config["vocab_size"] * 4
     lib, lib_vllm = libraries.get("base") or 0, libraries.get("vllm") or libraries.get("base") or 0
@@ -210,10 +214,13 @@ def floors(records: list[dict], sizes: dict, libraries: dict[str, int | None]) -
                 else (0, "no vLLM engine"),
         "activations": (activations, f"{micro_tokens:,} tokens (one micro-batch) x {layers} layers x "
                                      f"{per_token:,} B ({formula}; estimate)"
-                        if not checkpointing else "gradient checkpointing: not estimated"),
-        "credit_graph": (credit, f"LM-credit graph kept through the update ({sizes.get('solver')} solver): "
-                                 f"{credit_tokens:,} packed tokens (largest batch) x {layers} layers x {per_token:,} B"
-                         if sizes.get("keeps_credit_graph") else f"the {sizes.get('solver')} solver keeps none"),
+                        if not checkpointing else
+                        f"gradient checkpointing: {micro_tokens:,} tokens (one micro-batch) x ({layers} layers x "
+                        f"{config['hidden_size']} x {dtype_bytes} B layer inputs + one layer's {per_token:,} B)"),
+        "credit_graph": (credit, f"LM-credit graph kept through the update ({sizes.get('solver')} solver, "
+                                 f"checkpointed): {credit_tokens:,} packed tokens (largest batch) x {layers} layers x "
+                                 f"{config['hidden_size']} x {dtype_bytes} B layer inputs"
+                         if sizes.get("keeps_credit_graph") else "none kept (recomputed one token budget at a time)"),
         "logits": (logits, f"{chunk:,} tokens (one logprob_chunk; at most the batch's {train.get('sampled_tokens')} "
                            f"sampled tokens) x {config['vocab_size']:,} vocab x 4 B"),
     }

@@ -76,8 +76,10 @@ def tokenize_demonstration(prompt_ids: list[int], segments: list[tuple[str, bool
     return Demonstration(ids, mask)
 
 
-def sft_loss(policy, demos: list[Demonstration]) -> torch.Tensor:
-    """Mean negative log-likelihood of the agent-written tokens of ``demos`` (a scalar)."""
+def sft_loss(policy, demos: list[Demonstration], normalizer: int | None = None) -> torch.Tensor:
+    """Negative log-likelihood of the agent-written tokens of ``demos``, summed and divided by ``normalizer``
+    (a scalar; default: their number, so the mean). A batch split into token-budget groups passes the whole
+    batch's count to each group, so the groups' losses, and their gradients, add up to the batch's mean."""
     device = next(policy.parameters()).device
     T = max(len(d.input_ids) for d in demos)
     ids = torch.full((len(demos), T), policy.tokenizer.pad_token_id, dtype=torch.long)
@@ -90,4 +92,4 @@ def sft_loss(policy, demos: list[Demonstration]) -> torch.Tensor:
         mask[r, :n] = torch.tensor(d.loss_mask, dtype=torch.float32)
     ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
     logp = policy(ids, attn, score_mask=mask.bool())[0]  # the LM head only where the loss looks
-    return -(logp * mask).sum() / mask.sum().clamp(min=1)
+    return -(logp * mask).sum() / (mask.sum().clamp(min=1) if normalizer is None else max(normalizer, 1))

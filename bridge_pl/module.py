@@ -283,8 +283,14 @@ class BridgeModule(L.LightningModule):
 
     def problem(self, batch: RolloutBatch, **overrides) -> BatchLosses:
         """The losses of ``batch`` with this module's parts and settings (``overrides``: BatchLosses's keyword
-        arguments, e.g. ``old_logprobs`` for a probe; the credit graph is kept when the solver couples)."""
-        overrides.setdefault("keep_credit_graph", self.solver.uses_coupling)
+        arguments, e.g. ``old_logprobs`` for a probe).
+
+        The LM-credit forward's graph is kept for the coupling backward when the solver couples and the policy
+        checkpoints its activations: the kept graph then holds each layer's input only. Without checkpointing it
+        would hold every layer's activations for all the batch's credit tokens through the whole update, so the
+        coupling recomputes ℓ_θ one token-budget group at a time instead (one more forward over the credit tokens).
+        """
+        overrides.setdefault("keep_credit_graph", self.solver.uses_coupling and self.policy.gradient_checkpointing)
         return BatchLosses(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config,
                            self.retrieval_config, **overrides)
 

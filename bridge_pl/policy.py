@@ -155,6 +155,7 @@ class Policy(nn.Module):
         self.lora = lora
         self.merged_generation = merged_generation
         self.logprob_chunk = logprob_chunk
+        self.gradient_checkpointing = gradient_checkpointing
         self.tokenizer = load_tokenizer(model)
         # full fine-tuning trains every weight: ``auto`` keeps them float32 (bf16 compute is bf16-mixed's job)
         self.weight_dtype = torch.float32 if dtype == "auto" and not lora else resolve_dtype(dtype)

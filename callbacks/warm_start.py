@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from bridge_pl.config import UNIT_INTERVAL, Rule, raise_problems, require_choice, rule_problems
 from bridge_pl.demonstrations import demonstration_segments, sft_loss, tokenize_demonstration
 from bridge_pl.distributed import average_replicated_grads
+from bridge_pl.policy import length_sorted_groups
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
 from bridge_pl.terminal import plain_line, stdout_is_terminal
@@ -111,23 +112,21 @@ class WarmStart(L.Callback):
                 )
                 prompt = data.collector.prompts.ids(tokenizer, example.question, example.metadata.get("options"))
                 demos.append(tokenize_demonstration(prompt, segments, tokenizer))
-            with trainer.precision_plugin.forward_context():  # the forward only, as in Lightning's steps
-                loss = sft_loss(policy, demos)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = self._accumulate_loss(trainer, pl_module, demos)
             average_replicated_grads(params)  # keep the ranks' weights identical (FSDP2 shards are reduced already)
             torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
             optimizer.step()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{loss:.3f}")
             if plain:
-                plain_line(f"WarmStart: step {step + 1}/{self.steps}, loss {loss.item():.3f}, "
+                plain_line(f"WarmStart: step {step + 1}/{self.steps}, loss {loss:.3f}, "
                            f"{time.perf_counter() - started:.1f} s")
                 started = time.perf_counter()
             if trainer.logger is not None:
-                trainer.logger.log_metrics({"warm_start/loss": loss.item()}, step=step)
+                trainer.logger.log_metrics({"warm_start/loss": loss}, step=step)
         policy.train(was_training)
         policy.rebase_reference()  # RL's KL term pulls towards the warm-started policy, not the base model
-        rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss.item():.3f}); "
+        rank_zero_info(f"WarmStart: {self.steps} supervised steps done (last loss {loss:.3f}); "
                        "the warm-started policy is the KL reference from here on")
         if self.save_to is not None:  # every rank: a sharded adapter is gathered first; rank 0 writes
             policy.save_adapter(self.save_to)
@@ -148,6 +147,21 @@ class WarmStart(L.Callback):
                 rank_zero_info(self._summary(f"{name} multiple-choice accuracy",
                                              self.accuracy.get("before", {}).get(name), self.accuracy["after"][name],
                                              float(accuracy), trainer.global_step))
+
+    @staticmethod
+    def _accumulate_loss(trainer: L.Trainer, pl_module, demos: list) -> float:
+        """Backward of the demonstrations' mean NLL, one group of at most ``model.rl.micro_batch_tokens`` tokens
+        (rows x padded width) at a time, so the warm start's activations are bounded as the update's are; the
+        batch's mean loss is returned."""
+        policy = pl_module.policy
+        tokens = sum(sum(demo.loss_mask) for demo in demos)
+        loss = 0.0
+        for group in length_sorted_groups([len(d.input_ids) for d in demos], pl_module.rl_config.micro_batch_tokens):
+            with trainer.precision_plugin.forward_context():  # the forward only, as in Lightning's steps
+                part = sft_loss(policy, [demos[i] for i in group], normalizer=tokens)
+            part.backward()
+            loss += part.item()
+        return loss
 
     @staticmethod
     def _summary(what: str, before: float | None, after: float, final: float, step: int) -> str:

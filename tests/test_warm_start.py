@@ -11,7 +11,7 @@ from bridge_pl.data import datamodule
 from bridge_pl.demonstrations import Demonstration, demonstration_segments, sft_loss, tokenize_demonstration
 from bridge_pl.metrics import QAMetrics
 from bridge_pl.models import load_tokenizer
-from bridge_pl.policy import Policy
+from bridge_pl.policy import Policy, length_sorted_groups
 from bridge_pl.records import QAExample
 from bridge_pl.rollout.engine import SearchOutcome
 from bridge_pl.rollout.env import EnvConfig, SearchEnv
@@ -92,6 +92,24 @@ def test_sft_loss_is_the_mean_nll_of_masked_tokens():
     logp = policy(ids, attn)[0].detach()
     expected = -(logp[0, 1] + logp[0, 3] + logp[1, 1]) / 3
     assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_sft_loss_split_by_token_budget_adds_up_to_the_batch_mean():
+    """The warm start backpropagates one token-budget group at a time: same loss, same gradient as one batch."""
+    policy = Policy("tiny-llama", dtype="float32", lora_r=4)
+    demos = [Demonstration([5, 6, 7, 8, 9], [0, 1, 1, 0, 1]), Demonstration([9, 10], [0, 1]),
+             Demonstration([11, 12, 13], [0, 0, 1])]
+    params = policy.trainable_parameters()
+    whole = sft_loss(policy, demos)
+    whole_grads = torch.autograd.grad(whole, params)
+    tokens = sum(sum(d.loss_mask) for d in demos)
+    groups = length_sorted_groups([len(d.input_ids) for d in demos], token_budget=5)
+    assert len(groups) > 1
+    parts = [sft_loss(policy, [demos[i] for i in group], normalizer=tokens) for group in groups]
+    part_grads = torch.autograd.grad(sum(parts), params)
+    assert sum(p.item() for p in parts) == pytest.approx(whole.item(), abs=1e-6)
+    for a, b in zip(whole_grads, part_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_warm_start_trains_saves_and_a_later_run_starts_from_it(tmp_path, caplog):

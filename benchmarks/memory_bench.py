@@ -15,8 +15,8 @@ the phase cannot do without, from the run's own shapes (``MemoryAccount``'s ``si
 - retriever: the retriever-side parameters (query and passage towers, ψ) and one gradient per trainable one
   (the retriever steps are SGD: no optimizer state), plus the corpus embeddings (passages x dim x 4 bytes);
 - vLLM: a second copy of the policy's weights (merged) and the KV cache that the largest batch of the run needs:
-  tokens (the batch's real tokens, every row's own length) x layers x 2 x kv_heads x head_dim x dtype bytes. The
-  cache vLLM allocates is ``data.vllm.kv_cache_gb`` (shown beside it);
+  tokens (the batch's real tokens, every row's own length) x layers x 2 x kv_heads x head_dim x dtype bytes, at
+  most the cache vLLM allocates, ``data.vllm.kv_cache_gb`` (a batch that needs more is scheduled in turns);
 - update activations: one micro-batch of ``model.rl.micro_batch_tokens`` tokens (at most the training batch's
   rows x padded width) without gradient checkpointing, at an estimated number of bytes per token per layer of the
   tensors a LoRA Llama layer saves for backward (h hidden, kv = kv_heads x head_dim, i intermediate, d the weights'
@@ -181,7 +181,8 @@ def floors(records: list[dict], sizes: dict, libraries: dict[str, int | None]) -
     kv_token = kv_bytes_per_token(config, dtype_bytes)
     train, evaluation = largest(records, "rollout"), largest(records, "evaluation")
     kv_tokens = max(train.get("tokens", 0), evaluation.get("tokens", 0))
-    kv_need = kv_tokens * kv_token if vllm else 0
+    cache = (data.get("kv_cache_gb") or 0) * GIB  # vLLM schedules a larger batch in turns within its cache
+    kv_need = min(kv_tokens * kv_token, cache or kv_tokens * kv_token) if vllm else 0
     vllm_weights = (policy["params"] - policy["trainable_params"]) * dtype_bytes if vllm else 0
     layers = config["num_hidden_layers"]
     micro_tokens = min(sizes.get("micro_batch_tokens") or 0, train.get("rows", 0) * train.get("width", 0))
@@ -210,7 +211,8 @@ def floors(records: list[dict], sizes: dict, libraries: dict[str, int | None]) -
         "vllm": (vllm_weights + kv_need,
                  f"vLLM's weight copy {vllm_weights / GIB:.2f} GiB + KV of the largest batch: {kv_tokens:,} tokens x "
                  f"{kv_token:,} B ({layers} layers x 2 x kv heads x head_dim x {dtype_bytes} B) = "
-                 f"{kv_need / GIB:.2f} GiB (configured cache: {data.get('kv_cache_gb')} GiB)") if vllm
+                 f"{kv_tokens * kv_token / GIB:.2f} GiB, at most the configured cache "
+                 f"({data.get('kv_cache_gb')} GiB)") if vllm
                 else (0, "no vLLM engine"),
         "activations": (activations, f"{micro_tokens:,} tokens (one micro-batch) x {layers} layers x "
                                      f"{per_token:,} B ({formula}; estimate)"

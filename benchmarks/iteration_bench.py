@@ -29,8 +29,12 @@ one counts for the innermost, so nothing is counted twice):
   teacher);
 - policy update: the solver's θ step (``Solver._policy_steps``: building the extra loss terms, e.g. ``implicit``'s
   hypergradient correction, and the θ ``ParamUpdate.step_parts``: forward and backward of the policy-loss parts and
-  of the coupling / correction parts, clipping, the optimizer step), and the no-grad π_old forward of mini-batches
-  2..M (``BatchLosses._fill_old_logprobs``, at construction; with ``model.rl.minibatches`` > 1);
+  of the correction parts, clipping, the optimizer step), and the no-grad π_old forward of mini-batches 2..M
+  (``BatchLosses._fill_old_logprobs``, at construction; with ``model.rl.minibatches`` > 1);
+- coupling (``bridge``): the coupling terms of the θ step, taken out of the policy update so that it compares with
+  the update floor: building each part of ``BatchLosses.coupling_loss_parts`` (its weights; ℓ_θ's forward when
+  the LM-credit graph was not kept) and the policy update's backward of that part, through the LM-credit forward
+  (whose own time is LM credit's);
 - retriever steps: the φ and ψ ``ParamUpdate`` steps and the retriever losses ``lower_loss`` and
   ``retriever_upper_loss``, wherever they are called (also inside ``implicit``'s θ hypergradient);
 - other: the rest of the iteration (advantages, log P_φ of the shown lists at construction, solver glue).
@@ -68,13 +72,35 @@ Floors, in their own subprocess with the same config and seed, which regenerates
   over the micro-batches the update uses (rows of similar length under ``model.rl.micro_batch_tokens``; one forward
   over the whole padded batch took twice the update's time), with ``score_mask=action_mask`` so the LM head runs
   only on the tokens the sum reads (same value and gradients; without it the head runs on every token, which on a
-  small model with a large vocabulary costs more than the whole RL update and would be no floor).
+  small model with a large vocabulary costs more than the whole RL update and would be no floor). The report
+  gives each mode's policy-update phase over this floor.
+
+The update floor's matmul throughput ("MFU" on a CPU: achieved over what the same GEMMs reach here), in the
+floors process after the floors:
+
+- FLOPs (``update_flops``) from the model config and the micro-batches' real shapes: per micro-batch, rows x
+  padded width, less the shared prefix, which the policy's forward runs once as one row
+  (``Policy._shared_prefix_length``); per position and block the linear layers (q, k, v, o, gate, up, down for
+  SmolLM2) and their LoRA A and B, attention's scores and values over the whole (masked) width, and the LM head on
+  the scored tokens only. An ``[m, k] x [k, n]`` product is ``2 m k n``. Backward: a frozen base weight (and the
+  tied LM head) needs its input's gradient only, one more product of the same size; LoRA's A and B also their
+  weight gradients; attention both operands' gradients. Recomputation (the checkpointed LM-head chunks) is
+  reported, not counted;
+- the GEMM rate (``gemm_rate``) on the same shapes in the same process: each linear layer's forward
+  ``[m, k] x [n, k]^T`` and input-gradient ``[m, n] x [n, k]`` at the micro-batch's m (the prefix row and the
+  remainders), and the LM head's per log-prob chunk, as ``torch.mm`` in the policy's dtype and in bfloat16
+  (random inputs; two warm-up calls, then the median of three blocks of >= 50 ms per shape), added up as often as
+  the update runs each shape;
+- printed: the update's FLOPs and seconds, achieved GFLOP/s, the GEMM GFLOP/s per dtype, and achieved / GEMM.
+  ``--profile`` also runs one micro-batch's forward + backward under ``torch.profiler``: self CPU time by kind of
+  op (matmul, SDPA, softmax, copies / casts, indexing, elementwise) and the top ops.
 
 Usage (timings need an otherwise idle machine)::
 
     python benchmarks/iteration_bench.py                                   # configs/demo.yaml, a few minutes
     python benchmarks/iteration_bench.py --config configs/smoke.yaml --threads 1 --json /tmp/it.json
     python benchmarks/iteration_bench.py --modes frozen bridge --override --model.retrieval.credit_queries=4
+    python benchmarks/iteration_bench.py --modes frozen --profile                   # + where the update's time goes
 """
 
 from __future__ import annotations
@@ -92,17 +118,19 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 from bridge_pl.memory import release_heap, reset_peak, status_kb
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("frozen", "retriever_first", "bridge", "implicit")
-PHASES = ("rollout", "reference", "lm_credit", "policy_update", "retriever_steps", "other")
+PHASES = ("rollout", "reference", "lm_credit", "policy_update", "coupling", "retriever_steps", "other")
 LABELS = {
     "rollout": "rollout (generate + search + LM-credit inputs)",
     "reference": "reference log-probs",
     "lm_credit": "LM credit (ℓ_θ forward, all calls)",
-    "policy_update": "policy update (θ fwd/bwd + coupling/correction + step)",
+    "policy_update": "policy update (θ policy-loss fwd/bwd + correction + step)",
+    "coupling": "coupling (ℓ_θ backward in the θ step)",
     "retriever_steps": "retriever steps (φ/ψ steps + their losses)",
     "other": "other (advantages, P_φ of shown lists, glue)",
 }
@@ -139,6 +167,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "--model.retrieval.candidates=4 (repeatable)")
     parser.add_argument("--adapter", help="start every process from this saved policy adapter (no warm start)")
     parser.add_argument("--no-warm-start", action="store_true", help="do not run the config's WarmStart first")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler over one micro-batch of the update floor: time by kind of op")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: a mode, "floors" or "warm"
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     parser.add_argument("--warm-out", help=argparse.SUPPRESS)  # internal: where the warm child saves the adapter
@@ -155,7 +185,7 @@ def child_argv(args: argparse.Namespace, child: str, out: str) -> list[str]:
             "--config", args.config, "--threads", str(args.threads)]
     if args.seed is not None:
         argv += ["--seed", str(args.seed)]
-    for flag in ("as_is", "pin_malloc"):
+    for flag in ("as_is", "pin_malloc", "profile"):
         if getattr(args, flag):
             argv.append("--" + flag.replace("_", "-"))
     for override in args.override:
@@ -344,6 +374,231 @@ def ensure_signal(batch) -> str | None:
     return "no reward signal: rewards set to 0/1 within groups"
 
 
+def time_coupling(clock: PhaseClock, losses_cls, policy_update) -> None:
+    """Charge ``bridge``'s coupling terms in the θ step to the ``coupling`` phase: building each part of
+    ``coupling_loss_parts`` (its weights; ℓ_θ's forward when the LM-credit graph was not kept) and the policy
+    update's backward of that part (through the LM-credit forward), so that the ``policy_update`` phase holds the
+    policy-loss parts, the step and any correction, as the update floor does (bar the step)."""
+    parts_fn, backward, pending = losses_cls.coupling_loss_parts, policy_update.backward, set()
+
+    @functools.wraps(parts_fn)
+    def coupling_loss_parts(self, *args, **kwargs):
+        parts = parts_fn(self, *args, **kwargs)
+        while True:
+            with clock.phase("coupling"):
+                part = next(parts, None)
+            if part is None:
+                return
+            pending.add(id(part))
+            yield part
+
+    def timed_backward(loss):
+        if id(loss) not in pending:
+            return backward(loss)
+        pending.discard(id(loss))
+        with clock.phase("coupling"):
+            return backward(loss)
+
+    losses_cls.coupling_loss_parts = coupling_loss_parts
+    policy_update.backward = timed_backward
+
+
+# ---- the update's matmul work ---------------------------------------------------------------------
+class MicroBatch(NamedTuple):
+    """One forward + backward of the update: ``rows`` x ``width`` (the padded length, tokens); ``prefix``: leading
+    tokens every row shares, run once as one row (0: none; ``Policy._shared_prefix_length``); ``scored``: tokens the
+    LM head runs on; ``tokens``: real (unpadded) tokens."""
+
+    rows: int
+    width: int
+    prefix: int
+    scored: int
+    tokens: int
+
+    @property
+    def positions(self) -> int:
+        """Positions the decoder layers run: the prefix once and each row's remainder."""
+        return self.prefix + self.rows * (self.width - self.prefix)
+
+    @property
+    def attended(self) -> int:
+        """(query, key) pairs a layer's attention computes: the prefix row's P x P, each remainder's (W - P) x W
+        (masked pairs included: SDPA with a mask computes the whole product)."""
+        return self.prefix ** 2 + self.rows * (self.width - self.prefix) * self.width
+
+
+class ModelShape(NamedTuple):
+    """What the FLOP count reads of the policy: ``projections``, one ``(in k, out n, LoRA rank r)`` per linear layer
+    of one decoder block (r = 0: no adapter), alike in all ``layers``; query ``heads`` of ``head_dim``; the LM head's
+    ``hidden`` x ``vocab``; ``train_base``: the base weights train (full fine-tuning), else only LoRA does."""
+
+    projections: tuple[tuple[int, int, int], ...]
+    layers: int
+    heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    train_base: bool
+
+
+def model_shape(policy) -> ModelShape:
+    """The :class:`ModelShape` of a :class:`~bridge_pl.policy.Policy` (its first decoder block's linear layers)."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from torch import nn
+
+    from bridge_pl.distributed import decoder_layers
+
+    blocks = decoder_layers(policy.hf_model)
+    adapted = {name: m for name, m in blocks[0].named_modules() if isinstance(m, LoraLinear)}
+    projections = []
+    for name, m in blocks[0].named_modules():
+        if name in adapted:
+            base = m.get_base_layer()
+            rank = sum(m.r[a] for a in m.active_adapters if a in m.lora_A)
+            projections.append((base.in_features, base.out_features, rank))
+        elif isinstance(m, nn.Linear) and not any(name.startswith(a + ".") for a in adapted):
+            projections.append((m.in_features, m.out_features, 0))
+    config = policy.hf_model.config
+    head = policy.hf_model.get_output_embeddings().weight
+    return ModelShape(tuple(projections), len(blocks), config.num_attention_heads,
+                      getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                      head.shape[1], head.shape[0], not policy.lora)
+
+
+def update_flops(micro_batches: list[MicroBatch], model: ModelShape) -> dict[str, float]:
+    """Matmul FLOPs of one forward + backward over ``micro_batches`` (FLOPs; a multiply-add is 2).
+
+    Forward: an ``[m, k] x [k, n]`` product is ``2 m k n``, with m the positions a layer runs
+    (:attr:`MicroBatch.positions`) for each linear layer and its LoRA ``A`` (k -> r) and ``B`` (r -> n); attention
+    is ``2 x 2 d`` per (query, key) pair and head (scores and values, :attr:`MicroBatch.attended`); the LM head
+    ``2 hidden vocab`` per scored token. Backward: a frozen base weight needs its input's gradient only (one more
+    product of the same size), a trained weight (LoRA's A and B; the base under full fine-tuning) also its weight
+    gradient (two), attention the gradients of both operands of both products (two); the frozen (tied) LM head its
+    input's gradient. Every block counts alike (block 0's q, k and v need no input gradient: about 0.2 % of the
+    demo's count). Recomputation is not counted: the LM head's forward again in the backward
+    (``head_recompute``, the log-prob chunks are checkpointed) and the attention scores that a fused kernel
+    recomputes. Returns the FLOPs by ``projections``, ``lora``, ``attention``, ``head`` and their ``total``.
+    """
+    flops = dict.fromkeys(("projections", "lora", "attention", "head"), 0.0)
+    recompute = 0.0
+    base_passes = 3 if model.train_base else 2  # forward + input grad (+ weight grad)
+    for mb in micro_batches:
+        m = mb.positions
+        for k, n, r in model.projections:
+            flops["projections"] += model.layers * base_passes * 2 * m * k * n
+            flops["lora"] += model.layers * 3 * 2 * m * r * (k + n)
+        flops["attention"] += model.layers * 3 * 2 * 2 * mb.attended * model.heads * model.head_dim
+        flops["head"] += 2 * 2 * mb.scored * model.hidden * model.vocab
+        recompute += 2 * mb.scored * model.hidden * model.vocab
+    flops["total"] = sum(flops.values())
+    flops["head_recompute"] = recompute
+    return flops
+
+
+def update_gemms(micro_batches: list[MicroBatch], model: ModelShape, chunk: int) -> dict[tuple, int]:
+    """The dense products of the update's projections and LM head: ``{(m, k, n, transposed): count}``, one
+    ``[m, k] x [k, n]`` each (``transposed``: the right operand is an ``[n, k]`` weight read transposed, as
+    ``nn.Linear``'s forward reads it; not transposed: the input gradient's ``[m, n] x [n, k]`` read as stored).
+    m: the prefix row and the remainders of each micro-batch (:attr:`MicroBatch.positions`), the LM head's
+    ``chunk`` of scored tokens. Forward and input gradient only; LoRA's rank-r and attention's products are left
+    out (their FLOPs count in :func:`update_flops`)."""
+    gemms: dict[tuple, int] = {}
+
+    def add(key: tuple, count: int) -> None:
+        gemms[key] = gemms.get(key, 0) + count
+
+    for mb in micro_batches:
+        ms = [mb.prefix, mb.rows * (mb.width - mb.prefix)] if mb.prefix else [mb.rows * mb.width]
+        for m in ms:
+            for k, n, _ in model.projections:
+                add((m, k, n, True), model.layers)
+                add((m, n, k, False), model.layers)
+        for start in range(0, mb.scored, chunk):
+            c = min(chunk, mb.scored - start)
+            add((c, model.hidden, model.vocab, True), 1)
+            add((c, model.vocab, model.hidden, False), 1)
+    return gemms
+
+
+def gemm_seconds(m: int, k: int, n: int, transposed: bool, dtype, blocks: int = 3, min_s: float = 0.05) -> float:
+    """Seconds of one ``torch.mm`` of ``[m, k] x [k, n]`` in ``dtype`` (see :func:`update_gemms`): two warm-up
+    calls, then the median of ``blocks`` timed blocks of at least ``min_s`` each."""
+    import statistics
+
+    import torch
+
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(n, k).to(dtype).t() if transposed else torch.randn(k, n).to(dtype)
+    for _ in range(2):
+        torch.mm(a, b)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    reps = max(1, round(min_s / max(time.perf_counter() - start, 1e-6)))
+    times = []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        times.append((time.perf_counter() - start) / reps)
+    return statistics.median(times)
+
+
+def gemm_rate(gemms: dict[tuple, int], dtype) -> dict[str, float]:
+    """The update's GEMMs (:func:`update_gemms`) run back to back in ``dtype``: ``flops``, ``seconds`` and
+    ``gflops`` (GFLOP/s) over all of them, each shape timed once (:func:`gemm_seconds`) and counted as often as
+    the update runs it."""
+    flops = seconds = 0.0
+    for (m, k, n, transposed), count in gemms.items():
+        flops += count * 2 * m * k * n
+        seconds += count * gemm_seconds(m, k, n, transposed, dtype)
+    return {"flops": flops, "seconds": seconds, "gflops": flops / seconds / 1e9}
+
+
+PROFILE_KINDS = {  # category -> what an op's name contains (torch.profiler names; the first category that matches)
+    "matmul (mm/addmm/bmm)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+    "SDPA (fused attention, fwd/bwd)": ("scaled_dot_product", "flash_attention", "efficient_attention"),
+    "softmax / log_softmax / logsumexp (fwd/bwd)": ("softmax", "logsumexp", "Logsumexp", "Softmax"),
+    "copies / casts / cat": ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat",
+                             "aten::repeat"),
+    "indexing / gather / scatter": ("aten::index", "aten::gather", "aten::scatter", "aten::nonzero",
+                                    "aten::embedding", "aten::masked"),
+    "fill / zeros / empty": ("aten::fill_", "aten::zero_", "aten::zeros", "aten::empty", "aten::new_zeros",
+                             "aten::ones"),
+}
+
+
+def _kind(name: str) -> str | None:
+    return next((kind for kind, parts in PROFILE_KINDS.items() if any(part in name for part in parts)), None)
+
+
+def profile_update(policy, ids, attn, mask) -> dict:
+    """torch.profiler over one micro-batch's ``policy(...)`` forward + backward (the update floor's step).
+
+    Each op's self CPU time goes to the :data:`PROFILE_KINDS` category of the innermost op around it (itself
+    included) that has one, so a composite op's parts count with it (logsumexp's amax, exp and sum as logsumexp);
+    the rest is ``elementwise / reductions / other`` (aten ops) or ``non-aten`` (autograd engine, Python). Returns
+    seconds by category, the top ops by self time and the step's wall time (profiling adds overhead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        logp = policy(ids, attn, score_mask=mask)[0]
+        (logp * mask).sum().backward()
+    wall = time.perf_counter() - start
+    by_kind: dict[str, float] = {}
+    for event in prof.events():
+        seconds, kind, around = event.self_cpu_time_total / 1e6, None, event
+        while around is not None and kind is None:
+            kind, around = _kind(around.name), around.cpu_parent
+        if kind is None:
+            kind = ("elementwise / reductions / other ops" if event.name.startswith("aten::")
+                    else "non-aten (autograd engine, Python ops, profiler)")
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    return {"wall_s": wall, "self_s": sum(by_kind.values()), "by_kind": by_kind,
+            "top_ops": [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count} for e in ops]}
+
+
 # ---- children --------------------------------------------------------------------------------------
 def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
     """Child: one measured iteration of ``mode``."""
@@ -371,6 +626,7 @@ def run_mode(args: argparse.Namespace, mode: str, root: str) -> dict:
         if update is not None:
             for attr in ("step", "step_parts", "apply_grads"):
                 clock.wrap(update, attr, name)
+    time_coupling(clock, BatchLosses, updates.policy)
 
     baseline = settle()
     _reset_hwm()
@@ -455,15 +711,41 @@ def run_floors(args: argparse.Namespace, root: str) -> dict:
     assert out.shape[1] - width == n_tokens, (out.shape, width, n_tokens)
 
     lengths = batch.attention_mask.sum(-1).tolist()
+    cells = [(group, slice(0, max(lengths[i] for i in group)))  # the update's micro-batches
+             for group in length_sorted_groups(lengths, module.rl_config.micro_batch_tokens)]
     start = time.perf_counter()
-    for group in length_sorted_groups(lengths, module.rl_config.micro_batch_tokens):  # the update's micro-batches
-        cells = (group, slice(0, max(lengths[i] for i in group)))
-        mask = batch.action_mask[cells]  # score_mask: the LM head only where the sum reads (same value and grads)
-        logp = policy(batch.input_ids[cells], batch.attention_mask[cells], score_mask=mask)[0]
+    for where in cells:
+        mask = batch.action_mask[where]  # score_mask: the LM head only where the sum reads (same value and grads)
+        logp = policy(batch.input_ids[where], batch.attention_mask[where], score_mask=mask)[0]
         (logp * mask).sum().backward()
     update_s = time.perf_counter() - start
+    policy.zero_grad(set_to_none=True)
+
+    micro_batches = []
+    for group, cols in cells:
+        ids, attn = batch.input_ids[group, cols], batch.attention_mask[group, cols]
+        scored = batch.action_mask[group, cols].bool().clone()
+        scored[:, 0] = False  # as Policy.forward: the first token has no context
+        prefix = policy._shared_prefix_length(policy.hf_model, ids, attn, None)  # what the forward ran once
+        micro_batches.append(MicroBatch(len(group), cols.stop, prefix, int(scored.sum()), int(attn.sum())))
+    model = model_shape(policy)
+    flops = update_flops(micro_batches, model)
+    gemms = update_gemms(micro_batches, model, policy.logprob_chunk)
+    dtype = str(policy.weight_dtype).replace("torch.", "")
+    rates = {str(d).replace("torch.", ""): gemm_rate(gemms, d) for d in dict.fromkeys([policy.weight_dtype,
+                                                                                        torch.bfloat16])}
+    mfu = {"flops": flops, "micro_batches": [m._asdict() for m in micro_batches], "dtype": dtype, "gemm": rates,
+           "flops_unshared": update_flops([m._replace(prefix=0) for m in micro_batches], model)["total"],
+           "gflops": flops["total"] / update_s / 1e9}
+    mfu["ratio"] = mfu["gflops"] / rates[dtype]["gflops"]
+    if args.profile:  # the largest micro-batch, once more, under the profiler
+        i = max(range(len(cells)), key=lambda j: micro_batches[j].positions)
+        (group, cols), mask = cells[i], batch.action_mask[cells[i]]
+        mfu["profile"] = profile_update(policy, batch.input_ids[group, cols], batch.attention_mask[group, cols], mask)
+        mfu["profile"]["micro_batch"] = micro_batches[i]._asdict()
+        policy.zero_grad(set_to_none=True)
     return {"generate_s": generate_s, "update_s": update_s, "generate_rows": len(rows),
-            "generate_tokens": n_tokens, "shape": shape(batch, data)}
+            "generate_tokens": n_tokens, "shape": shape(batch, data), "update_mfu": mfu}
 
 
 # ---- parent ----------------------------------------------------------------------------------------
@@ -491,6 +773,44 @@ def spawn(args: argparse.Namespace, child: str, tmp: str, out: str | None = None
 
 def cell(time_s: float, peak_mb: float) -> str:
     return f"{time_s:.2f} s / {peak_mb:.0f} MB"
+
+
+def mfu_lines(update_s: float, mfu: dict) -> list[str]:
+    """The update floor's matmul throughput beside the GEMM rate on its shapes, and the profile if taken."""
+    f, dtype = mfu["flops"], mfu["dtype"]
+    mbs = [MicroBatch(**m) for m in mfu["micro_batches"]]
+    positions, rows_width = sum(m.positions for m in mbs), sum(m.rows * m.width for m in mbs)
+    real = sum(m.tokens - (m.rows - 1) * m.prefix for m in mbs)  # real tokens the layers run (the prefix once)
+    gemm = mfu["gemm"]
+    lines = [
+        f"Update floor's matmul work: {len(mbs)} micro-batches (rows x width / shared prefix: "
+        + ", ".join(f"{m.rows}x{m.width}/{m.prefix}" for m in mbs) + f"), {positions} positions through the "
+        f"layers ({rows_width} rows x width without the shared prefix; padding {1 - real / positions:.1%} of the "
+        f"positions run), {sum(m.scored for m in mbs)} scored tokens.",
+        f"- update FLOPs {f['total'] / 1e12:.3f} T (projections {f['projections'] / f['total']:.1%}, LoRA "
+        f"{f['lora'] / f['total']:.1%}, attention {f['attention'] / f['total']:.1%}, LM head "
+        f"{f['head'] / f['total']:.1%}; not counted: the LM head's recompute, {f['head_recompute'] / 1e12:.3f} T; "
+        f"every row in full would be {mfu['flops_unshared'] / 1e12:.3f} T)",
+        f"- update {update_s:.2f} s: achieved {mfu['gflops']:.1f} GFLOP/s",
+        "- GEMM on the update's projection and LM-head shapes, same process: " + ", ".join(
+            f"{d} {g['gflops']:.1f} GFLOP/s ({g['seconds']:.2f} s for its {g['flops'] / 1e12:.3f} T)"
+            for d, g in gemm.items()),
+        f"- achieved / GEMM ({dtype}) = {mfu['ratio']:.2f}"
+        + (f"; achieved / GEMM (bfloat16) = {mfu['gflops'] / gemm['bfloat16']['gflops']:.2f}"
+           if dtype != "bfloat16" else ""),
+        "",
+    ]
+    prof = mfu.get("profile")
+    if prof:
+        m = MicroBatch(**prof["micro_batch"])
+        lines += [f"Profile of one micro-batch forward + backward ({m.rows} x {m.width}, shared prefix {m.prefix}; "
+                  f"{prof['wall_s']:.2f} s under the profiler, {prof['self_s']:.2f} s of ops' self CPU time):", "",
+                  "| kind of op | self CPU s | share |", "|---|---|---|"]
+        for kind, sec in sorted(prof["by_kind"].items(), key=lambda kv: -kv[1]):
+            lines.append(f"| {kind} | {sec:.2f} | {sec / prof['self_s']:.1%} |")
+        lines += ["", "Top ops (self CPU s, calls): " + "; ".join(
+            f"{o['op']} {o['self_s']:.2f} ({o['calls']})" for o in prof["top_ops"][:10]), ""]
+    return lines
 
 
 def report(args: argparse.Namespace, results: dict, floors: dict | None, load: float) -> str:
@@ -544,7 +864,14 @@ def report(args: argparse.Namespace, results: dict, floors: dict | None, load: f
             floor = floors["generate_s"] + floors["update_s"]
             lines.append(f"frozen total / (generate floor + update floor) = {results['frozen']['time_s']:.2f} / "
                          f"{floor:.2f} = {results['frozen']['time_s'] / floor:.2f}")
+        if results:
+            lines.append("policy update phase / update floor (the phase without the coupling row: policy-loss "
+                         "forward + backward, correction, clipping, optimizer step): " + ", ".join(
+                             f"{m} {results[m]['phases']['policy_update']['time_s'] / floors['update_s']:.2f}"
+                             for m in modes))
         lines.append("")
+        if "update_mfu" in floors:
+            lines += mfu_lines(floors["update_s"], floors["update_mfu"])
     if "frozen" in results:
         base = results["frozen"]
         lines += ["| mode | time / frozen | peak MB / frozen |", "|---|---|---|"]
@@ -587,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
     print(report(args, results, floors, load))
     if args.json:
         data = {
-            "floors": {"generate_s": floors["generate_s"], "update_s": floors["update_s"]} if floors else {},
+            "floors": {k: floors[k] for k in ("generate_s", "update_s", "update_mfu")} if floors else {},
             "modes": {m: {"time_s": r["time_s"], "peak_mb": r["peak_mb"],
                           "phases": {p: {"time_s": v["time_s"], "peak_mb": v["peak_mb"]}
                                      for p, v in r["phases"].items()}}

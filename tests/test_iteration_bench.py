@@ -22,7 +22,10 @@ def test_iteration_bench_prints_phases_floors_and_ratios(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| policy update" in proc.stdout and "frozen total / (generate floor + update floor)" in proc.stdout
     result = json.loads(out.read_text())
-    assert set(result["floors"]) == {"generate_s", "update_s"} and result["floors"]["update_s"] > 0
+    assert set(result["floors"]) == {"generate_s", "update_s", "update_mfu"} and result["floors"]["update_s"] > 0
+    mfu = result["floors"]["update_mfu"]
+    assert mfu["flops"]["total"] > 0 and mfu["ratio"] > 0 and {"float32", "bfloat16"} == set(mfu["gemm"])
+    assert "achieved / GEMM (float32)" in proc.stdout and "| coupling" in proc.stdout
     assert set(result["modes"]) == {"frozen", "bridge"}
     for mode in result["modes"].values():
         assert mode["time_s"] > 0 and mode["peak_mb"] >= 0

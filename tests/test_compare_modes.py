@@ -12,11 +12,25 @@ import lightning as L
 import pytest
 from helpers import TINY, load_script
 
+from bridge_pl.data.qa import write_qa
+from bridge_pl.data.sources import world
 
-def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path, capsys):
+TEST_QUESTIONS = 8  # of the world's 150 test questions: each run tests them whole, in every step of a comparison
+
+
+@pytest.fixture(scope="module")
+def world_test(tmp_path_factory) -> str:
+    """``--data.test=`` for the first ``TEST_QUESTIONS`` of the world's test split, as a QA file (their metadata,
+    the hop queries and gold passages the hop recall reads, kept): a run's test pass reads the same kind of
+    questions in fewer batches."""
+    path = write_qa(tmp_path_factory.mktemp("world_test") / "test.jsonl", world(0).test[:TEST_QUESTIONS])
+    return f"--data.test={{world_test: {path}}}"
+
+
+def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path, capsys, world_test):
     argv = ["--config", TINY, "--modes", "frozen", "bridge", "--seeds", "0", "--max-steps", "1",
             "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"),
-            "--data.test={world_test: world/test}", "--trainer.val_check_interval=1",
+            world_test, "--trainer.val_check_interval=1",
             "--trainer.callbacks+=callbacks.WarmStart", "--trainer.callbacks.steps=2",
             "--trainer.callbacks.batch_size=2", "--trainer.callbacks.evaluate=false"]
     compare_modes = load_script("experiments", "compare_modes")
@@ -35,7 +49,8 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
         assert 0.0 <= result["EM"] <= 1.0 and result["peak_rss_mb"] > 0
         assert 0.0 <= result["hop recall@k"] <= 1.0
         outcomes = compare_modes.question_outcomes(result)
-        assert outcomes and set(outcomes.values()) <= {0.0, 1.0}  # each test question's EM, for the claims
+        assert set(outcomes.values()) <= {0.0, 1.0}  # each test question's EM, for the claims
+        assert len(outcomes) == TEST_QUESTIONS
         assert abs(sum(outcomes.values()) / len(outcomes) - result["EM"]) < 1e-6
         assert 0.0 <= result["no-search share"] <= 1.0
     assert 0.0 <= warm["EM"] <= 1.0 and 0.0 <= warm["hop recall@k"] <= 1.0  # the warm start's own test row
@@ -58,11 +73,11 @@ def test_compare_modes_shares_the_warm_start_and_writes_table_and_plot(tmp_path,
         compare_modes.main([*argv, "--max-steps", "2", "--table-only"])
 
 
-def test_a_warm_start_that_does_not_reproduce_its_record_stops_the_comparison(tmp_path):
+def test_a_warm_start_that_does_not_reproduce_its_record_stops_the_comparison(tmp_path, world_test):
     compare_modes = load_script("experiments", "compare_modes")
     argv = ["--config", TINY, "--modes", "frozen", "--seeds", "0", "--max-steps", "1", "--runs", str(tmp_path / "runs"),
-            "--out", str(tmp_path / "out"), "--trainer.callbacks+=callbacks.WarmStart", "--trainer.callbacks.steps=1",
-            "--trainer.callbacks.batch_size=2", "--trainer.callbacks.evaluate=false"]
+            "--out", str(tmp_path / "out"), world_test, "--trainer.callbacks+=callbacks.WarmStart",
+            "--trainer.callbacks.steps=1", "--trainer.callbacks.batch_size=2", "--trainer.callbacks.evaluate=false"]
     records = tmp_path / "out/records"
     args, overrides = compare_modes.parse_args(argv)
     records.mkdir(parents=True)
@@ -85,13 +100,13 @@ class CrashAtIteration(L.Callback):
             raise RuntimeError(f"interrupted before iteration {self.step + 1}")
 
 
-def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_uninterrupted_record(tmp_path, monkeypatch):
+def test_an_interrupted_run_resumes_from_its_checkpoint_to_the_uninterrupted_record(tmp_path, monkeypatch, world_test):
     compare_modes = load_script("experiments", "compare_modes")
     records = tmp_path / "records"
 
     def worker(runs: str) -> list[str]:  # one frozen step of a config without a warm start, validated every iteration
         return ["--config", TINY, "--seeds", "0", "--max-steps", "2", "--records", str(records), "--runs",
-                str(tmp_path / runs), "--data.test={world_test: world/test}", "--trainer.val_check_interval=1",
+                str(tmp_path / runs), world_test, "--trainer.val_check_interval=1",
                 "--worker", "frozen", "0"]
 
     records.mkdir()

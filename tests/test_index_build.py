@@ -219,16 +219,17 @@ def test_the_tiny_config_trains_with_a_prebuilt_ivf_pq_index(world_index, tmp_pa
 @pytest.mark.slow
 def test_the_demo_trains_with_a_prebuilt_ivf_pq_index_of_its_own_encoder(tmp_path):
     """``configs/demo.yaml`` (SmolLM2 and MiniLM, unchanged) for one iteration over an ivf_pq index built with the
-    demo's MiniLM, fewer prompts per iteration; its warm start and landscape probe are left out (their cost is not the
-    index's)."""
+    demo's MiniLM, fewer prompts and samples per iteration, shorter turns (a steered search is a few tokens) and two
+    validation questions; its warm start and landscape probe are left out (their cost is not the index's)."""
     index = tmp_path / "world-minilm"
     main(["index", "build", "--corpus", "world", "--encoder", "minilm-l6", "--kind", "ivf_pq", "--nbits", "4",
           "--quiet", "--out", str(index)])
     demo = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
     cli = tiny_cli(tmp_path / "fit", f"--model.retriever.init_args.index_path={index}",
                    "--model.retriever.init_args.corpus=null", "--trainer.max_steps=1", "--trainer.val_check_interval=1",
-                   "--data.batch_size=2", "--data.n_samples=4", "--data.max_sampling_rounds=1",
-                   "--data.max_eval_examples=4", "--data.eval_batch_size=4", "--data.engine=hf", configs=(demo,))
+                   "--data.batch_size=2", "--data.n_samples=2", "--data.max_sampling_rounds=1",
+                   "--data.max_new_tokens_per_turn=16", "--data.max_eval_examples=2", "--data.eval_batch_size=2",
+                   "--data.engine=hf", configs=(demo,))
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, WarmStart | LossLandscape)]
     with searching(cli.model.policy):  # the base policy, not warm-started, steered to search
         cli.trainer.fit(cli.model, cli.datamodule)

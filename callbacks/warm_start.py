@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from bridge_pl.config import UNIT_INTERVAL, Rule, raise_problems, require_choice, rule_problems
 from bridge_pl.demonstrations import demonstration_segments, sft_loss, tokenize_demonstration
-from bridge_pl.distributed import average_replicated_grads
+from bridge_pl.distributed import average_replicated_grads, is_sharded
 from bridge_pl.policy import length_sorted_groups
 from bridge_pl.rollout.env import SearchEnv
 from bridge_pl.seeding import derive_seed
@@ -152,11 +152,14 @@ class WarmStart(L.Callback):
     def _accumulate_loss(trainer: L.Trainer, pl_module, demos: list) -> float:
         """Backward of the demonstrations' mean NLL, one group of at most ``model.rl.micro_batch_tokens`` tokens
         (rows x padded width) at a time, so the warm start's activations are bounded as the update's are; the
-        batch's mean loss is returned."""
+        batch's mean loss is returned. A sharded (FSDP2) policy reduces its gradients in every backward, so
+        there every rank runs its batch as one group: the ranks' group counts could differ."""
         policy = pl_module.policy
         tokens = sum(sum(demo.loss_mask) for demo in demos)
+        lengths = [len(d.input_ids) for d in demos]
+        budget = len(lengths) * max(lengths) if is_sharded(policy.model) else pl_module.rl_config.micro_batch_tokens
         loss = 0.0
-        for group in length_sorted_groups([len(d.input_ids) for d in demos], pl_module.rl_config.micro_batch_tokens):
+        for group in length_sorted_groups(lengths, budget):
             with trainer.precision_plugin.forward_context():  # the forward only, as in Lightning's steps
                 part = sft_loss(policy, [demos[i] for i in group], normalizer=tokens)
             part.backward()

@@ -1,7 +1,7 @@
 """Loss-landscape probes: exact answers on quadratics, exact restore, the callback on the real module, DDP.
 
-Run as a script (``python tests/test_landscape.py OUT_DIR``) it is the 2-process DDP job that
-``test_ddp_ranks_agree_with_one_process`` launches.
+Run as a script (``python tests/test_landscape.py OUT_DIR STRATEGY...``) it is the 2-process job, one fit per
+strategy, that ``test_two_processes_agree_with_one_process`` reads.
 """
 
 import json
@@ -246,22 +246,39 @@ def test_probes_on_the_real_module(tmp_path):
     assert steps == [0, 1, 2]
 
 
-@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
-@pytest.mark.parametrize("strategy", ["ddp_find_unused_parameters_true", "fsdp2"])
-def test_two_processes_agree_with_one_process(tmp_path, strategy):
-    """DDP (full weights on each rank) and FSDP2 (each rank moves its shards) probe the same curves as one process,
-    and leave every rank's weights bit-identical."""
+STRATEGIES = ["ddp_find_unused_parameters_true", "fsdp2"]
+
+
+@pytest.fixture(scope="module")
+def one_process_probe(tmp_path_factory) -> dict:
+    """The step-0 probe scalars of a 1-process fit, the reference of every 2-process strategy."""
     one = CheckedLandscape(**PROBE)
-    _fit(tmp_path / "one", one, "--trainer.max_steps=1")
+    _fit(tmp_path_factory.mktemp("one"), one, "--trainer.max_steps=1")
+    return one.results[0]
+
+
+@pytest.fixture(scope="module")
+def two_process_probes(tmp_path_factory) -> Path:
+    """``out/<strategy>/rank{0,1}.json``: the 2-process fits of ``STRATEGIES``, one after the other in one pair of
+    processes (a process's start, its imports and the process group, is much of each fit's time)."""
+    out = tmp_path_factory.mktemp("two")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, __file__, str(tmp_path / "two"), strategy], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, __file__, str(out), *STRATEGIES], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in range(2)]
+    return out
+
+
+@pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_processes_agree_with_one_process(one_process_probe, two_process_probes, strategy):
+    """DDP (full weights on each rank) and FSDP2 (each rank moves its shards) probe the same curves as one process,
+    and leave every rank's weights bit-identical."""
+    ranks = [json.loads((two_process_probes / strategy / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["restored"] and ranks[1]["restored"]
     assert ranks[0]["0"] == ranks[1]["0"]
-    assert ranks[0]["0"] == pytest.approx(one.results[0], rel=1e-5, abs=1e-7)
+    assert ranks[0]["0"] == pytest.approx(one_process_probe, rel=1e-5, abs=1e-7)
 
 
 def two_process_main(out: Path, strategy: str) -> None:
@@ -270,6 +287,7 @@ def two_process_main(out: Path, strategy: str) -> None:
     from bridge_pl.distributed import reshard
 
     torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
     callback = LossLandscape(**PROBE)
     steps: dict = {"restored": True}
     run = callback.run
@@ -291,4 +309,5 @@ def two_process_main(out: Path, strategy: str) -> None:
 
 
 if __name__ == "__main__":
-    two_process_main(Path(sys.argv[1]), sys.argv[2])
+    for name in sys.argv[2:]:
+        two_process_main(Path(sys.argv[1]) / name, name)

@@ -1,5 +1,5 @@
 """``strategy: fsdp2`` (FSDP2 through ModelParallelStrategy) and ``ddp`` on 2 CPU processes (gloo), against one process
-on the same global batch; resume from a sharded checkpoint.
+on the same global batch; resume from a sharded checkpoint. A vLLM engine per rank: tests/test_fsdp2_vllm.py.
 
 The 2-process fits run in one subprocess (Lightning re-launches it as rank 1). Each rank saves its first rollout
 batch; in this process the two batches are joined (``RolloutBatch.concat``) and one process takes the same
@@ -206,39 +206,6 @@ def test_fsdp2_evaluates_with_unequal_numbers_of_batches_per_rank(tmp_path):
     assert "val/world_dev/em" in ranks[0] and ranks[0] == ranks[1]
 
 
-class RecordEngine(L.Callback):
-    """Each rank saves its engine's name and pushes, the sampler's log-prob gap of each iteration and its
-    validation metrics, at the end of the fit (before the engine is freed)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out, self.gaps = out, []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.gaps.append(float(trainer.callback_metrics["rollout/sampler_logprob_gap"]))
-
-    def on_train_end(self, trainer, pl_module):
-        engine = trainer.datamodule.collector.engine
-        val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-        record = {"engine": engine.name, "syncs": engine.syncs, "gaps": self.gaps, "val": val}
-        (self.out / f"engine{trainer.global_rank}.json").write_text(json.dumps(record))
-
-
-@pytest.mark.parametrize("strategy, sync", [("fsdp2", "merged"), ("fsdp2", "adapter"), ("ddp", "merged")])
-def test_each_rank_gets_a_vllm_engine_that_samples_the_updated_policy(tmp_path, strategy, sync):
-    """``data.engine=vllm`` on 2 processes: each rank builds its own engine and, after each update, pushes the
-    policy into it (under fsdp2 gathered from the shards; ``merged``: the LoRA deltas merged into the base weights,
-    ``adapter``: the adapter saved to the rank's own folder). The sampler's log-probs match the trainer's own
-    forward in the iteration after an update (an engine left with the old weights is off by 0.14-0.17 nats at this
-    policy lr), and a validation with unequal numbers of batches per rank needs no collective."""
-    _run_2proc(tmp_path, "vllm", strategy, sync)
-    ranks = [json.loads((tmp_path / "vllm" / f"engine{r}.json").read_text()) for r in range(2)]
-    for rank in ranks:
-        assert rank["engine"] == "vllm"
-        assert rank["syncs"] == 3  # built for iteration 1, pushed for the validations after updates 1 and 2
-        assert len(rank["gaps"]) == 2 and max(rank["gaps"]) < 1e-3  # float32 in both
-    assert ranks[0]["val"] == ranks[1]["val"] and "val/world_dev/em" in ranks[0]["val"]
-
-
 def _pad_worker(rank: int, port: int, out: str) -> None:
     """Rank 0's loss has two parts, rank 1's one; one update step with ShardedGradients."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -354,17 +321,6 @@ def main(out: Path, job: str) -> None:
                        "--trainer.limit_val_batches=null", "--data.max_eval_examples=12")
         metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
         (out / "eval" / f"val{cli.trainer.global_rank}.json").write_text(json.dumps(metrics))
-        return
-    if job == "vllm":  # 12 dev questions in batches of 4: rank 0 evaluates two batches, rank 1 one
-        (out / "vllm").mkdir(parents=True, exist_ok=True)
-        strategy = {"fsdp2": "fsdp2", "ddp": "ddp_find_unused_parameters_true"}[sys.argv[3]]
-        fit_tiny(out / "vllm", "--trainer.devices=2", f"--trainer.strategy={strategy}", *COMMON,
-                 "--model.mode=bridge", f"--data.vllm.weight_sync={sys.argv[4]}", "--trainer.max_steps=2",
-                 "--trainer.val_check_interval=1", "--trainer.limit_val_batches=null", "--data.max_eval_examples=12",
-                 "--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=vllm", "--data.vllm.kv_cache_gb=1",
-                 "--data.vllm.max_model_len=1024", "--model.policy_optimizer=torch.optim.AdamW",
-                 "--model.policy_optimizer.init_args.lr=0.05",
-                 callbacks=(RecordEngine(out / "vllm"),), search=False)  # vLLM samples from its own weights
         return
     if job == "minibatches":
         (out / "minibatches").mkdir(parents=True, exist_ok=True)

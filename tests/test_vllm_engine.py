@@ -414,6 +414,6 @@ def test_auto_falls_back_to_hf_where_vllm_cannot_run(tmp_path):
 
 
 def test_auto_generates_with_hf_in_runs_of_several_processes(tmp_path):
-    """``auto`` picks vLLM in one process only; ``vllm`` under fsdp2 is tests/test_fsdp2.py's."""
+    """``auto`` picks vLLM in one process only; ``vllm`` under fsdp2 is tests/test_fsdp2_vllm.py's."""
     module, data = tiny_module(tmp_path, "--model.policy.init_args.model=tiny-llama-hd32", "--data.engine=auto")
     assert isinstance(_auto_engine(module, data, processes=2), HFRolloutEngine)

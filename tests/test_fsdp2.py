@@ -70,6 +70,9 @@ class RecordSteps(L.Callback):
 
 
 def _run_2proc(out: Path, *args: str) -> None:
+    """This file as a script on 2 processes: ``args`` are a job and its arguments, or several of
+    ``ONE_PROCESS_JOBS``, run one after the other in the same two processes (a process's start, its imports and
+    the process group, is most of a tiny 2-process fit's time)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, __file__, str(out), *args], env=env, capture_output=True, text=True,
@@ -82,6 +85,19 @@ def two_process_runs(tmp_path_factory):
     """``{(strategy, mode): folder}`` of 2-process fits of one iteration."""
     out = tmp_path_factory.mktemp("two_process")
     _run_2proc(out, "first-step")
+    return out
+
+
+# The jobs the tests below read, each in its own folders of one output folder; run in one pair of processes.
+ONE_PROCESS_JOBS = ("resume", "warm-start", "full-kl", "minibatches", "uneven-eval")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_jobs(tmp_path_factory):
+    """The output folder of ``ONE_PROCESS_JOBS``, run once for the tests that read them (one job alone:
+    ``python tests/test_fsdp2.py OUT JOB``)."""
+    out = tmp_path_factory.mktemp("fsdp2_jobs")
+    _run_2proc(out, *ONE_PROCESS_JOBS)
     return out
 
 
@@ -126,36 +142,34 @@ def test_two_processes_make_the_one_process_update_on_the_same_global_batch(two_
 
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
-def test_fsdp2_resume_from_a_sharded_checkpoint_repeats_the_next_steps(tmp_path):
+def test_fsdp2_resume_from_a_sharded_checkpoint_repeats_the_next_steps(fsdp2_jobs):
     """``ValidatedCheckpoint`` on two ranks: iteration 2's sharded save waits for the validation after it (a
     collective write, so both ranks must defer alike), and the run resumed from it repeats iteration 3."""
-    _run_2proc(tmp_path, "resume")
-    whole = torch.load(tmp_path / "whole" / "weights.pt")
-    resumed = torch.load(tmp_path / "resumed" / "weights.pt")
-    assert (tmp_path / "first" / "checkpoints" / "last.ckpt").is_dir(), "a sharded checkpoint is a folder"
+    whole = torch.load(fsdp2_jobs / "whole" / "weights.pt")
+    resumed = torch.load(fsdp2_jobs / "resumed" / "weights.pt")
+    assert (fsdp2_jobs / "first" / "checkpoints" / "last.ckpt").is_dir(), "a sharded checkpoint is a folder"
     for name, value in whole.items():
         torch.testing.assert_close(resumed[name], value, rtol=RTOL, atol=ATOL, msg=name)
     for r in range(2):
-        uninterrupted = json.loads((tmp_path / "whole" / f"logs{r}.json").read_text())
-        after_resume = json.loads((tmp_path / "resumed" / f"logs{r}.json").read_text())
+        uninterrupted = json.loads((fsdp2_jobs / "whole" / f"logs{r}.json").read_text())
+        after_resume = json.loads((fsdp2_jobs / "resumed" / f"logs{r}.json").read_text())
         assert after_resume[0] == pytest.approx(uninterrupted[2], rel=RTOL, abs=ATOL, nan_ok=True)
 
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
-def test_fsdp2_warm_start_rebases_the_kl_reference_and_exports_the_gathered_adapter(tmp_path):
+def test_fsdp2_warm_start_rebases_the_kl_reference_and_exports_the_gathered_adapter(fsdp2_jobs):
     """WarmStart under FSDP2: its steps, the reference snapshot swapped into the shards for the KL pass, and the
     peft adapter gathered and written by rank 0, which a plain single-process peft load reads back."""
     from peft import PeftModel
 
     from bridge_pl.models import load_causal_lm
 
-    _run_2proc(tmp_path, "warm-start")
-    ranks = [json.loads((tmp_path / "warm" / f"logs{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((fsdp2_jobs / "warm" / f"logs{r}.json").read_text()) for r in range(2)]
     assert all(r[i]["policy/skipped"] == 0.0 for r in ranks for i in range(2))
     # iteration 1 scores under the warm-started snapshot, swapped into the shards (iteration 0: it is the policy)
     assert all(r[1]["policy/kl_ref"] > 0 for r in ranks)
     adapter = PeftModel.from_pretrained(load_causal_lm("tiny-llama", dtype=torch.float32),
-                                        str(tmp_path / "warm" / "adapter"))
+                                        str(fsdp2_jobs / "warm" / "adapter"))
     lora_b = [p for n, p in adapter.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # the warm start's steps are in the export
 
@@ -176,41 +190,64 @@ class RecordReferenceSharding(L.Callback):
 
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
-def test_fsdp2_frees_the_gathered_kl_reference_after_each_iteration(tmp_path):
+def test_fsdp2_frees_the_gathered_kl_reference_after_each_iteration(fsdp2_jobs):
     """Full fine-tuning with a KL penalty keeps a frozen reference copy, sharded like the policy and gathered for its
     forward. Each iteration ends with it resharded, as the policy is: a gathered float32 reference of a 7B model
     would hold about 30 GB on every GPU until the next iteration."""
-    _run_2proc(tmp_path, "full-kl")
-    ranks = [json.loads((tmp_path / "full" / f"logs{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((fsdp2_jobs / "full" / f"logs{r}.json").read_text()) for r in range(2)]
     assert all(r[1]["policy/kl_ref"] > 0 for r in ranks)  # iteration 1 scored under the (gathered) reference
-    assert [json.loads((tmp_path / "full" / f"reference{r}.json").read_text()) for r in range(2)] == [[True, True]] * 2
+    sharded = [json.loads((fsdp2_jobs / "full" / f"reference{r}.json").read_text()) for r in range(2)]
+    assert sharded == [[True, True]] * 2
 
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
-def test_fsdp2_second_minibatch_runs_on_the_weights_the_first_step_made(tmp_path):
+def test_fsdp2_second_minibatch_runs_on_the_weights_the_first_step_made(fsdp2_jobs):
     """FSDP2 keeps its gathered parameters between forwards (no reshard after forward or backward), and the optimizer
     steps the shards: without a reshard after each policy step, the second mini-batch would run on the gathered
     copy of θ before the first step, its ratio exactly 1."""
-    _run_2proc(tmp_path, "minibatches")
-    ranks = [json.loads((tmp_path / "minibatches" / f"logs{r}.json").read_text())[0] for r in range(2)]
+    ranks = [json.loads((fsdp2_jobs / "minibatches" / f"logs{r}.json").read_text())[0] for r in range(2)]
     assert all(r["policy/steps"] == 2.0 for r in ranks), "both mini-batches must step for this test to mean anything"
     assert all(r["policy/approx_kl"] != 0.0 for r in ranks)
 
 
 @pytest.mark.skipif(os.name == "nt", reason="gloo subprocess job")
-def test_fsdp2_evaluates_with_unequal_numbers_of_batches_per_rank(tmp_path):
+def test_fsdp2_evaluates_with_unequal_numbers_of_batches_per_rank(fsdp2_jobs):
     """Validation between iterations, ranks with 2 and 1 eval batches: no collective waits on a forward, and the
     EM pooled over ranks is the same number on both."""
-    _run_2proc(tmp_path, "uneven-eval")
-    ranks = [json.loads((tmp_path / "eval" / f"val{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((fsdp2_jobs / "eval" / f"val{r}.json").read_text()) for r in range(2)]
     assert "val/world_dev/em" in ranks[0] and ranks[0] == ranks[1]
 
 
-def _pad_worker(rank: int, port: int, out: str) -> None:
-    """Rank 0's loss has two parts, rank 1's one; one update step with ShardedGradients."""
+def _spawned_worker(rank: int, port: int, out: str) -> None:
+    """The workers below, one after the other in one gloo group of 2 processes (a process's start, its imports, is
+    most of each one's time)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    _pad_worker(rank, str(Path(out) / "w.pt"))
+    dist.barrier()
+    _mixed_dtype_worker(rank, str(Path(out) / "r.json"))
+    dist.barrier()  # every rank done with its collectives before gloo is torn down
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> Path:
+    """The output folder of ``_spawned_worker`` on 2 processes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("spawned")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_spawned_worker, args=(port, str(out)), nprocs=2, join=True)
+    return out
+
+
+def _pad_worker(rank: int, out: str) -> None:
+    """Rank 0's loss has two parts, rank 1's one; one update step with ShardedGradients."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from bridge_pl.bilevel import ParamUpdate
@@ -232,21 +269,11 @@ def _pad_worker(rank: int, port: int, out: str) -> None:
     weights = _trained(model)
     if rank == 0:
         torch.save(weights, out)
-    dist.barrier()  # every rank done with its collectives before gloo is torn down
-    dist.destroy_process_group()
 
 
-def test_a_rank_with_fewer_loss_parts_gets_the_ranks_average_update(tmp_path):
+def test_a_rank_with_fewer_loss_parts_gets_the_ranks_average_update(spawned):
     """Gradients accumulate locally over each rank's own parts and are reduced once (a reduction per part would
     leave rank 0 waiting for a second one that rank 1 never joins)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_pad_worker, args=(port, str(tmp_path / "w.pt")), nprocs=2, join=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     inputs = torch.arange(12.0).view(3, 4) / 10
@@ -254,16 +281,13 @@ def test_a_rank_with_fewer_loss_parts_gets_the_ranks_average_update(tmp_path):
     total.backward()
     with torch.no_grad():
         expected = {name: p - 0.1 * p.grad for name, p in model.named_parameters()}
-    got = torch.load(tmp_path / "w.pt")
+    got = torch.load(spawned / "w.pt")
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _mixed_dtype_worker(rank: int, port: int, out: str) -> None:
+def _mixed_dtype_worker(rank: int, out: str) -> None:
     """A bfloat16 base under float32 LoRA weights (peft's default), sharded, then one forward, backward and step."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
 
     from bridge_pl.policy import Policy
@@ -280,28 +304,22 @@ def _mixed_dtype_worker(rank: int, port: int, out: str) -> None:
     moved = any(float(v.abs().sum()) > 0 for k, v in _trained(policy).items() if "lora_B" in k)
     if rank == 0:
         Path(out).write_text(json.dumps({"dtypes": dtypes, "finite": bool(torch.isfinite(logp).all()), "moved": moved}))
-    dist.barrier()  # every rank done with its collectives before gloo is torn down
-    dist.destroy_process_group()
 
 
-def test_a_bfloat16_base_with_float32_lora_weights_shards_and_trains(tmp_path):
+def test_a_bfloat16_base_with_float32_lora_weights_shards_and_trains(spawned):
     """Early FSDP2 needed one dtype per unit; the installed torch shards and trains a block that mixes a bfloat16
     base with peft's float32 LoRA weights (``Policy.shard`` relies on it)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_mixed_dtype_worker, args=(port, str(tmp_path / "r.json")), nprocs=2, join=True)
-    result = json.loads((tmp_path / "r.json").read_text())
+    result = json.loads((spawned / "r.json").read_text())
     assert result == {"dtypes": ["torch.bfloat16", "torch.float32"], "finite": True, "moved": True}
 
 
 def main(out: Path, job: str) -> None:
     """2-process fits (this script is re-launched as rank 1 by Lightning)."""
     torch.set_num_threads(1)
+    if job in ONE_PROCESS_JOBS:  # one or several of them, in the order given
+        for name in sys.argv[2:]:
+            _fsdp2_job(out, name)
+        return
     two = ("--trainer.devices=2", "--trainer.enable_checkpointing=false")
     if job == "first-step":
         jobs = [("fsdp2", MODES), ("ddp_find_unused_parameters_true", DDP_MODES)]
@@ -314,6 +332,10 @@ def main(out: Path, job: str) -> None:
                 fit_tiny(folder, *COMMON, *two, f"--trainer.strategy={strategy}", f"--model.mode={mode}",
                          "--trainer.max_steps=1", callbacks=(RecordSteps(folder),))
         return
+
+
+def _fsdp2_job(out: Path, job: str) -> None:
+    """One of ``ONE_PROCESS_JOBS``, writing under its own folders of ``out``."""
     fsdp2 = ("--trainer.devices=2", "--trainer.strategy=fsdp2", *COMMON, "--model.mode=bridge")
     if job == "uneven-eval":  # 12 dev questions in batches of 4: rank 0 evaluates two batches, rank 1 one
         (out / "eval").mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ Each module is thin and calls into ``bridge_pl``.
 """
 
 from callbacks.checkpoint import ValidatedCheckpoint
+from callbacks.heap import ReleaseHeap
 from callbacks.index_refresh import IndexRefresh
 from callbacks.landscape import LossLandscape
 from callbacks.memory import MemoryAccount
@@ -15,5 +16,5 @@ from callbacks.warm_start import WarmStart
 
 __all__ = [
     "BridgeProgressBar", "IndexRefresh", "LossLandscape", "MemoryAccount", "MissReport", "QAEval",
-    "ValidatedCheckpoint", "WarmStart",
+    "ReleaseHeap", "ValidatedCheckpoint", "WarmStart",
 ]

@@ -16,9 +16,15 @@ from bridge_pl import rl
 from bridge_pl.config import RetrievalSampling, RLConfig
 from bridge_pl.distributed import any_across_ranks
 from bridge_pl.eval_mode import eval_mode
+from bridge_pl.miss_analysis import check_gold_passages
 from bridge_pl.policy import Policy, budget_groups, length_sorted_groups
 from bridge_pl.retrieval.base import Retriever
-from bridge_pl.retrieval.credit import coupling_weights, lm_supervised_kl, plackett_luce_logprob
+from bridge_pl.retrieval.credit import (
+    coupling_weights,
+    gold_candidate_mask,
+    lm_supervised_kl,
+    plackett_luce_logprob,
+)
 from bridge_pl.rollout.batch import RolloutBatch
 
 
@@ -88,6 +94,8 @@ class BatchLosses:
         policy: π_θ.
         retriever: the retriever (its ``query_encoder`` is φ).
         psi: ψ, the reference copy of the query encoder (``bridge`` mode), else None.
+        psi_passage: ψ's copy of a separately trained passage tower (``passage_tower: trainable``), which scores
+            the passages of G(ψ); None: G(ψ) uses the retriever's own passage side (frozen, or tied to ψ).
         value_head: the PPO critic head, else None.
         batch: the rollout batch (on the module's device).
         config: loss settings.
@@ -111,8 +119,10 @@ class BatchLosses:
         keep_credit_graph: bool = False,
         old_logprobs: torch.Tensor | None = None,
         ref_logprobs: torch.Tensor | None = None,
+        psi_passage: nn.Module | None = None,
     ) -> None:
         self.policy, self.retriever, self.psi, self.value_head = policy, retriever, psi, value_head
+        self.psi_passage = psi_passage
         self.batch, self.cfg, self.retrieval = batch, config, retrieval
         self.stats: dict[str, float] = {}
         # The loss mask: policy tokens only, unless the ablation also trains on observations.
@@ -142,6 +152,7 @@ class BatchLosses:
             # θ will have moved by the time a later mini-batch steps: its π_old is the sampling policy's, now
             self._fill_old_logprobs([i for k in self._signal_minibatches[1:] for i in self._minibatches[k]])
         self.lm_scores: torch.Tensor | None = None
+        self._coupling_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # [S', K'] φ's, ψ's, no grad
         self._credit_graph: torch.Tensor | None = None
         if batch.credit_searches.numel():
             if keep_credit_graph:
@@ -273,6 +284,9 @@ class BatchLosses:
         encoder = self.retriever.query_encoder
         return [p for p in encoder.parameters() if p.requires_grad] if encoder is not None else []
 
+    def psi_parameters(self) -> list[torch.Tensor]:
+        return [p for p in self.psi.parameters() if p.requires_grad] if self.psi is not None else []
+
     def signal_minibatches(self) -> list[int]:
         """The mini-batches (``model.rl.minibatches``) with a non-zero advantage (GRPO: some group's rewards
         differ) on any rank, in order: the policy steps on these, the same ones on every rank."""
@@ -363,11 +377,17 @@ class BatchLosses:
         return loss
 
     def _scores(self, searches: torch.Tensor, encoder: nn.Module | None) -> torch.Tensor:
-        """Retriever scores / τ of the candidates of ``searches``: ``[S'] -> [S', K']`` (padding slots arbitrary)."""
+        """Retriever scores / τ of the candidates of ``searches``: ``[S'] -> [S', K']`` (padding slots arbitrary).
+
+        ``encoder``: φ (None) or ψ; ψ scores with its own copy of a trained passage tower when it has one.
+        """
         batch = self.batch
         queries = [batch.search_queries[i] for i in searches.tolist()]
         rows = batch.search_candidates[searches]
-        scores = self.retriever.score(queries, rows.clamp(min=0), query_encoder=encoder).float()
+        towers = {"query_encoder": encoder}
+        if encoder is not None and encoder is self.psi and self.psi_passage is not None:
+            towers["passage_encoder"] = self.psi_passage
+        scores = self.retriever.score(queries, rows.clamp(min=0), **towers).float()
         return scores / self.retrieval.temperature
 
     def retriever_upper_loss(self) -> torch.Tensor:
@@ -400,24 +420,63 @@ class BatchLosses:
 
     @torch.no_grad()
     def coupling_search_weights(self, lam: float) -> torch.Tensor | None:
-        """``[S', K']`` the coupling's weight on ℓ_θ(d) of each credit search's candidates, w_s(d) / S'.
+        """``[S', K']`` the coupling's weight on ℓ_θ(d) of each credit search's candidates, w_s(d) / S', with the
+        batch's teacher Q(θ) (the θ that sampled it).
 
         Detached; 0 on padding slots; None when there is no coupling (no LM credit, λ = 0 or no ψ). Row s times
         that search's ℓ_θ, summed, is search s's share of the coupling loss (the mean over s of G is taken here).
+        Records ``bridge/lower_gap``, G(φ) − G(ψ) with this teacher (also at λ = 0), and ``bridge/gold_weight_mean``,
+        the mean w_s(d) over the candidates that are gold passages of their question (absent when none is known).
         """
-        if self.lm_scores is None or lam == 0 or self.psi is None:
+        if self.lm_scores is None or self.psi is None:
             return None
         searches = self.batch.credit_searches
         valid = self.batch.search_valid[searches]
-        weights = coupling_weights(self.lm_scores, self._scores(searches, None), self._scores(searches, self.psi),
-                                   1.0, self.retrieval.teacher_temperature, lam, valid=valid)
+        self._coupling_logits = (self._scores(searches, None), self._scores(searches, self.psi))
+        phi, psi = self._coupling_logits
+        beta = self.retrieval.teacher_temperature
+        gap = (lm_supervised_kl(phi, self.lm_scores, 1.0, beta, valid=valid)
+               - lm_supervised_kl(psi, self.lm_scores, 1.0, beta, valid=valid))
+        self.stats["bridge/lower_gap"] = float(gap.mean())
+        if lam == 0:
+            return None
+        weights = coupling_weights(self.lm_scores, phi, psi, 1.0, beta, lam, valid=valid)
+        gold = self._gold_candidates() & valid
+        if gold.any():
+            self.stats["bridge/gold_weight_mean"] = float(weights[gold].mean())
+        return (weights / searches.numel()).masked_fill(~valid, 0.0)
+
+    def _gold_candidates(self) -> torch.Tensor:
+        """``[S', K']`` bool: candidate d of credit search s is a gold passage of s's question
+        (``metadata["gold_passages"]``, any hop); all False for a question without gold labels."""
+        batch = self.batch
+        searches = batch.credit_searches.tolist()
+        rows = batch.search_candidates[batch.credit_searches].tolist()
+        ids = [[self.retriever.passage(r).id if r >= 0 else None for r in row] for row in rows]
+        gold = []
+        for s in searches:
+            traj = int(batch.search_traj[s])
+            hops = check_gold_passages(batch.metadata[traj].get("gold_passages"), f"trajectory {traj}")
+            gold.append({i for hop in hops for i in hop} if hops else None)
+        return gold_candidate_mask(ids, gold).to(batch.search_valid.device)
+
+    @torch.no_grad()
+    def _group_weights(self, group: list[int], lm_scores: torch.Tensor, lam: float) -> torch.Tensor:
+        """``[len(group), K']`` w_s(d) / S' of the credit searches ``group`` with the teacher of ``lm_scores``
+        ``[len(group), K']`` (ℓ_θ at the current θ) and the retriever scores :meth:`coupling_search_weights` took."""
+        searches = self.batch.credit_searches
+        valid = self.batch.search_valid[searches][group]
+        phi, psi = (logits[group] for logits in self._coupling_logits)
+        weights = coupling_weights(lm_scores, phi, psi, 1.0, self.retrieval.teacher_temperature, lam, valid=valid)
         return (weights / searches.numel()).masked_fill(~valid, 0.0)
 
     def coupling_loss_parts(self, lam: float) -> Iterator[torch.Tensor]:
-        """Σ_{s,d} w_s(d) ℓ_θ(d): one weighted backward through the LM-credit forward.
+        """Σ_{s,d} w_s(d) ℓ_θ(d): one weighted backward through the LM-credit forward, at the current θ.
 
-        Uses the graph kept from construction when there is one (consumed here); otherwise ℓ_θ is recomputed
-        with grad, one token-budget group of searches at a time.
+        Uses the graph kept from construction when there is one (consumed here; it was built by the θ that sampled
+        the batch, the θ of the first pass's first step). Otherwise ℓ_θ is recomputed with grad, one token-budget
+        group of searches at a time, and each group's weights are computed from those scores: in a later pass
+        (``policy_epochs`` > 1) θ has moved, and the gradient of G(θ, ·) at that θ needs its teacher Q(θ) too.
         """
         weights = self.coupling_search_weights(lam)
         if weights is None:
@@ -430,10 +489,9 @@ class BatchLosses:
             return
         sequences = batch.credit_sequences
         for group in budget_groups([seq.length for seq in sequences], self.cfg.micro_batch_tokens):
-            w = weights[group]
-            if w.abs().sum() > 0:
+            if weights[group].abs().sum() > 0:  # 0 exactly where P_φ = P_ψ, whatever the teacher
                 scores = self.policy.branch_loglik([sequences[i] for i in group], self.cfg.micro_batch_tokens)
-                yield (w * scores).sum()
+                yield (self._group_weights(group, scores.detach(), lam) * scores).sum()
 
     def _zero_phi(self) -> torch.Tensor:
         """A zero that still belongs to φ's graph (so optimizers see zero grads, not missing ones)."""

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Protocol
 
@@ -34,6 +34,9 @@ class BilevelProblem(Protocol):
 
     def phi_parameters(self) -> list[torch.Tensor]:
         """φ (the query encoder in use)."""
+
+    def psi_parameters(self) -> list[torch.Tensor]:
+        """ψ's query encoder, parameter for parameter as :meth:`phi_parameters` (empty without ψ)."""
 
     def signal_minibatches(self) -> list[int]:
         """The mini-batches of the batch, in order, on which F has a reward signal for θ (GRPO: some group's rewards
@@ -163,6 +166,57 @@ class Updates:
         return {u.name: list(u.nonfinite) for u in (self.policy, self.phi, self.psi) if u is not None and u.nonfinite}
 
 
+def gradient_split(total: Sequence[torch.Tensor | None], first: Sequence[torch.Tensor | None]) -> dict[str, float]:
+    """How a gradient accumulated in two parts splits: ``first`` is g_F (the RL loss's θ-gradient), ``total`` is
+    g_F + g_C after the coupling's backward; tensors matched by position, None read as 0 (a parameter the part
+    did not reach).
+
+    Returns ``bridge/grad_norm_rl`` ‖g_F‖, ``bridge/grad_norm_coupling`` ‖g_C‖ = ‖total − first‖ and
+    ``bridge/cos_step_rl`` cos(g_F + g_C, g_F) (nan when either vector is 0), norms in gradient units, summed in
+    float64.
+    """
+    ff = tt = tf = cc = 0.0
+    for t, f in zip(total, first, strict=True):
+        t = torch.zeros(()) if t is None else t.detach().double()
+        f = torch.zeros(()) if f is None else f.detach().double()
+        ff += float((f * f).sum())
+        tt += float((t * t).sum())
+        tf += float((t * f).sum())
+        cc += float(((t - f) ** 2).sum())
+    cosine = tf / math.sqrt(tt * ff) if tt > 0 and ff > 0 else float("nan")
+    return {"bridge/grad_norm_rl": math.sqrt(ff), "bridge/grad_norm_coupling": math.sqrt(cc),
+            "bridge/cos_step_rl": cosine}
+
+
+def parameter_distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """‖a − b‖ over matched parameter lists (e.g. φ and ψ), the square root of the summed squared differences."""
+    return math.sqrt(sum(float(((x.detach().double() - y.detach().double()) ** 2).sum())
+                         for x, y in zip(a, b, strict=True)))
+
+
+class GradientProbe:
+    """Splits the θ step that carries the coupling into its RL part g_F and its coupling part g_C.
+
+    Both backpropagate into the same ``.grad`` (one accumulated step), so :meth:`wrap` snapshots the gradients
+    when the coupling's first part is asked for, after F's backward, and compares them with the sum after its
+    last part, before clipping: one copy of θ's gradients (LoRA-sized by default), no extra forward.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.logs: dict[str, float] = {}
+
+    def wrap(self, parts: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """``parts`` (the coupling's), with the gradients read before the first and after the last backward."""
+        first = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        yield from parts
+        self.logs = gradient_split([p.grad for p in self.params], first)
+
+    def record_norm(self, norm: float, clip_norm: float | None) -> None:
+        """``bridge/policy_clipped``: 1 if the step's norm ``norm`` (before clipping) exceeded ``clip_norm``."""
+        self.logs["bridge/policy_clipped"] = float(clip_norm is not None and norm > clip_norm)
+
+
 class Solver(ABC):
     """One training iteration's updates, in the order the mode prescribes.
 
@@ -188,14 +242,16 @@ class Solver(ABC):
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
         """Run one iteration; returns scalars to log."""
 
-    def _policy_steps(self, problem: BilevelProblem, updates: Updates, extra=None) -> dict[str, float]:
+    def _policy_steps(self, problem: BilevelProblem, updates: Updates, extra=None,
+                      probe: GradientProbe | None = None) -> dict[str, float]:
         """``policy_epochs`` passes over the batch, one step on F per mini-batch with signal; ``extra()`` (more
         loss terms: ``bridge``'s coupling parts, ``implicit``'s correction) joins each pass's first step, so a pass
         carries it once, as with one mini-batch. In the first pass that step is at the θ that sampled the batch,
         where ``bridge``'s kept LM-credit graph was built; later steps would move θ under it.
 
         Skipped (``policy/skipped`` = 1) when F has no reward signal for θ. Logs the last pass's mean loss and grad
-        norm over its steps, and ``policy/steps``, the steps taken.
+        norm over its steps, and ``policy/steps``, the steps taken. ``probe`` splits each pass's first step into F's
+        and ``extra``'s gradients (its logs are then the last pass's).
         """
         logs: dict[str, float] = {"policy/skipped": 0.0}
         minibatches = problem.signal_minibatches()
@@ -206,9 +262,12 @@ class Solver(ABC):
             steps = []
             for k in minibatches:
                 parts = problem.policy_loss_parts(k)
-                if extra is not None and k == minibatches[0]:
-                    parts = itertools.chain(parts, extra())
+                first = extra is not None and k == minibatches[0]
+                if first:
+                    parts = itertools.chain(parts, extra() if probe is None else probe.wrap(extra()))
                 steps.append(updates.policy.step_parts(parts))
+                if first and probe is not None:
+                    probe.record_norm(steps[-1][1], updates.policy.clip_norm)
             logs["loss/policy"], logs["grad_norm/policy"] = (sum(values) / len(steps) for values in zip(*steps))
         logs["policy/steps"] = float(self.policy_epochs * len(minibatches))
         return logs
@@ -289,16 +348,18 @@ class BridgeSolver(Solver):
     """``bridge``: first-order penalty bilevel step (docs/method.md section 4; F2SA / V-PBGD family).
 
     Per iteration: K_ψ steps of ψ on G; K_φ steps of φ on F + λG with step size scaled by 1/(1+λ);
-    policy steps on F plus the coupling term λ(∇θG(θ,φ) − ∇θG(θ,ψ)); then λ ← min(λ_max, λ + δ).
+    policy steps on F plus the coupling term c·λ(∇θG(θ,φ) − ∇θG(θ,ψ)); then λ ← min(λ_max, λ + δ), unless an
+    update of the iteration was skipped for a non-finite value (λ is then held).
 
     Args:
         lam_init, lam_delta, lam_max: the penalty schedule.
+        theta_coupling: c, the scale of the coupling term in the θ step (1: the method; 0: θ steps on F alone, and
+            the LM-credit scores are computed without grad, as no backward goes through them).
     """
 
     name = "bridge"
-    settings = ("phi_steps", "psi_steps", "policy_epochs", "lam_init", "lam_delta", "lam_max")
+    settings = ("phi_steps", "psi_steps", "policy_epochs", "lam_init", "lam_delta", "lam_max", "theta_coupling")
     needs_psi = True
-    uses_coupling = True
     lower_level_needs_sgd = True
 
     def __init__(
@@ -309,9 +370,14 @@ class BridgeSolver(Solver):
         lam_init: float = 1.0,
         lam_delta: float = 0.0,
         lam_max: float = 10.0,
+        theta_coupling: float = 1.0,
     ) -> None:
         super().__init__(phi_steps, psi_steps, policy_epochs)
+        if theta_coupling < 0:
+            raise ValueError(f"theta_coupling must be >= 0, got {theta_coupling}")
         self.lam = PenaltySchedule(lam_init, lam_delta, lam_max)
+        self.theta_coupling = theta_coupling
+        self.uses_coupling = theta_coupling > 0
 
     def inner_steps(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
         """The lower-level (ψ) and retriever-first (φ) steps of one iteration."""
@@ -331,10 +397,17 @@ class BridgeSolver(Solver):
         return logs
 
     def step(self, problem: BilevelProblem, updates: Updates) -> dict[str, float]:
+        """One iteration; besides the losses, logs the solver's ``bridge/`` diagnostics (docs/method.md 4.5)."""
         logs = self.inner_steps(problem, updates)
-        lam = self.lam.value
-        logs.update(self._policy_steps(problem, updates, extra=lambda: problem.coupling_loss_parts(lam)))
-        logs["lambda"] = lam
+        logs["bridge/phi_psi_distance"] = parameter_distance(problem.phi_parameters(), problem.psi_parameters())
+        scaled = self.theta_coupling * self.lam.value
+        # a sharded policy's gradients are local shards until the step's reduction: no split of them
+        probe = GradientProbe(updates.policy.params) if updates.policy.sharded is None else None
+        logs.update(self._policy_steps(problem, updates, extra=lambda: problem.coupling_loss_parts(scaled),
+                                       probe=probe))
+        if probe is not None:
+            logs.update(probe.logs)
+        logs["lambda"] = self.lam.value
         if not updates.nonfinite():  # an iteration with a skipped (non-finite) update leaves λ where it was
             self.lam.advance()
         return logs

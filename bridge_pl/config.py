@@ -207,6 +207,9 @@ class SolverConfig(Checked):
         lam_init: the penalty λ at the first iteration (``bridge``).
         lam_delta: λ's growth per iteration (``bridge``).
         lam_max: λ's cap (``bridge``); >= lam_init.
+        theta_coupling: the scale c of the coupling term c·λ(∇θG(θ,φ) − ∇θG(θ,ψ)) in the θ step (``bridge``);
+            >= 0. 1 is the method; 0 is the ablation whose θ steps on F alone (no backward through the LM-credit
+            scores, so none of its forward or graph either).
         neumann_steps: terms of the Neumann series for the inverse Hessian-vector product (``implicit``).
         neumann_lr: the Neumann series' step η (``implicit``); needs η < 2 / the top Hessian eigenvalue.
         grad_clip_policy: max global grad norm of the policy (and critic) step; null: no clipping.
@@ -223,7 +226,7 @@ class SolverConfig(Checked):
     PREFIX: ClassVar[str] = "model.solver"
     RULES: ClassVar[dict[str, Rule]] = {
         "phi_steps": AT_LEAST_ONE, "psi_steps": AT_LEAST_ONE, "policy_epochs": AT_LEAST_ONE,
-        "lam_init": NON_NEGATIVE, "lam_delta": NON_NEGATIVE, "lam_max": NON_NEGATIVE,
+        "lam_init": NON_NEGATIVE, "lam_delta": NON_NEGATIVE, "lam_max": NON_NEGATIVE, "theta_coupling": NON_NEGATIVE,
         "neumann_steps": AT_LEAST_ONE, "neumann_lr": LEARNING_RATE, "grad_clip_policy": POSITIVE,
         "grad_clip_retriever": POSITIVE, "max_nonfinite_skips": AT_LEAST_ONE,
         "warn_no_signal_after": AT_LEAST_ONE,
@@ -235,6 +238,7 @@ class SolverConfig(Checked):
     lam_init: float = 1.0
     lam_delta: float = 0.0
     lam_max: float = 10.0
+    theta_coupling: float = 1.0
     neumann_steps: int = 5
     neumann_lr: float = 0.1
     grad_clip_policy: float | None = 1.0

@@ -120,6 +120,11 @@ class BridgeModule(L.LightningModule):
         if not self.solver.trains_retriever and retriever.query_encoder is not None:
             retriever.query_encoder.requires_grad_(False)
         self.psi = copy.deepcopy(retriever.query_encoder) if self.solver.needs_psi else None
+        # G depends on a separately trained passage tower too: ψ, G's minimiser, has its own copy of it
+        # (a tied tower is the query tower, which ψ already copies)
+        separate = getattr(retriever, "passage_encoder", None)
+        separate = separate if separate is not retriever.query_encoder else None
+        self.psi_passage = copy.deepcopy(separate) if self.solver.needs_psi and separate is not None else None
         self.value_head = nn.Linear(policy.hidden_size, 1) if rl.algorithm == "ppo" else None
         if rl.kl_coef > 0:
             policy.enable_reference_copy()
@@ -164,8 +169,9 @@ class BridgeModule(L.LightningModule):
 
     def configure_optimizers(self):
         """One optimizer per trained part, by name (``optimizer_names``): ``policy``; ``phi`` (the query encoder,
-        plus a separately trained passage tower) and ``psi`` (``bridge``) when the retriever trains; ``critic``
-        (PPO). Schedulers: ``policy_scheduler`` on the policy's, ``retriever_scheduler`` on φ's and ψ's."""
+        plus a separately trained passage tower) and ``psi`` (``bridge``: ψ and its copy of such a passage tower)
+        when the retriever trains; ``critic`` (PPO). Schedulers: ``policy_scheduler`` on the policy's,
+        ``retriever_scheduler`` on φ's and ψ's."""
         make = self.factories
 
         def build(factory, params, default: type[torch.optim.Optimizer], lr: float) -> torch.optim.Optimizer:
@@ -179,7 +185,8 @@ class BridgeModule(L.LightningModule):
                 phi_towers.append(passage_tower)
             sgd_only = self.solver.lower_level_needs_sgd
             default = (torch.optim.SGD, BRIDGE_RETRIEVER_SGD_LR) if sgd_only else (torch.optim.AdamW, RETRIEVER_LR)
-            for name, towers in [("phi", phi_towers)] + ([("psi", [self.psi])] if self.psi is not None else []):
+            psi_towers = [t for t in (self.psi, self.psi_passage) if t is not None]
+            for name, towers in [("phi", phi_towers)] + ([("psi", psi_towers)] if psi_towers else []):
                 params = [p for tower in towers for p in tower.parameters() if p.requires_grad]
                 named[name] = build(make["retriever"], params, *default)
                 if sgd_only:
@@ -292,7 +299,7 @@ class BridgeModule(L.LightningModule):
         """
         overrides.setdefault("keep_credit_graph", self.solver.uses_coupling and self.policy.gradient_checkpointing)
         return BatchLosses(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config,
-                           self.retrieval_config, **overrides)
+                           self.retrieval_config, psi_passage=self.psi_passage, **overrides)
 
     # ---- what the rollout DataModule asks for (bridge_pl.rollout.agent.RolloutAgent) -----------------
     def passage(self, row: int) -> Passage:

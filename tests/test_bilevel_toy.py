@@ -30,6 +30,9 @@ class ToyProblem:
     def phi_parameters(self):
         return [self.y]
 
+    def psi_parameters(self):
+        return [self.z]
+
     def signal_minibatches(self):
         return [0]
 

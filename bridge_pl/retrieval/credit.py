@@ -16,6 +16,8 @@ sampled, never enter a normaliser, and get zero gradient.
 
 from __future__ import annotations
 
+from collections.abc import Sequence, Set
+
 import torch
 
 
@@ -194,3 +196,16 @@ def coupling_weights(
     gap = torch.where(valid, log_p_psi - log_p_phi, torch.zeros((), dtype=q.dtype, device=q.device))
     weights = (lam / beta) * q * (gap - (g_phi - g_psi)[:, None])
     return torch.where(valid, weights, torch.zeros_like(weights))
+
+
+def gold_candidate_mask(
+    candidate_ids: Sequence[Sequence[str | None]], gold_ids: Sequence[Set[str] | None]
+) -> torch.Tensor:
+    """``[S, K]`` bool: candidate slot (s, d) holds one of search s's gold passage ids.
+
+    ``candidate_ids[s][d]`` is the id of that slot's passage (None for padding); ``gold_ids[s]`` the ids of the
+    gold passages of search s's question, or None where they are unknown (its row is then all False).
+    """
+    rows = [[gold is not None and i is not None and i in gold for i in row]
+            for row, gold in zip(candidate_ids, gold_ids, strict=True)]
+    return torch.tensor(rows, dtype=torch.bool) if rows else torch.zeros(0, 0, dtype=torch.bool)

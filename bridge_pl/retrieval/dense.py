@@ -308,16 +308,23 @@ class DenseRetriever(Retriever):
     def device(self) -> torch.device:
         return self._query_tower.device
 
-    def _passage_side(self, query_encoder: nn.Module | None = None) -> EncoderTower:
-        """The tower that encodes passages; a tied retriever uses the given query tower (e.g. ψ)."""
+    def _passage_side(
+        self, query_encoder: nn.Module | None = None, passage_encoder: nn.Module | None = None
+    ) -> EncoderTower:
+        """The tower that encodes passages; a tied retriever uses the given query tower (e.g. ψ), a trainable one
+        the given ``passage_encoder`` (e.g. ψ's copy of it) instead of its own."""
         if self.passage_tower == "tied":
             return query_encoder if query_encoder is not None else self._query_tower
+        if passage_encoder is not None:
+            return passage_encoder
         assert self._passage_tower is not None
         return self._passage_tower
 
-    def encode_passages(self, texts: list[str], query_encoder: nn.Module | None = None) -> torch.Tensor:
+    def encode_passages(
+        self, texts: list[str], query_encoder: nn.Module | None = None, passage_encoder: nn.Module | None = None
+    ) -> torch.Tensor:
         """``[N, D]`` passage embeddings by the passage tower (grad follows the caller's grad mode)."""
-        return self._passage_side(query_encoder).encode(
+        return self._passage_side(query_encoder, passage_encoder).encode(
             texts, prefix=self.passage_prefix, max_length=self.max_passage_length
         )
 
@@ -440,7 +447,9 @@ class DenseRetriever(Retriever):
         if bool((rows >= len(self.passages)).any()):
             raise ValueError(f"rows must be < corpus size {len(self.passages)} (or -1 for padding)")
 
-    def _passage_embeddings(self, rows: torch.Tensor, query_encoder: nn.Module | None) -> torch.Tensor:
+    def _passage_embeddings(
+        self, rows: torch.Tensor, query_encoder: nn.Module | None, passage_encoder: nn.Module | None = None
+    ) -> torch.Tensor:
         """``[Q, K, D]`` embeddings of ``rows`` ``[Q, K]`` (-1 rows give row 0's, masked by the caller).
 
         Frozen tower: the corpus embeddings; trainable tower: re-encoded (with grad if grad is enabled).
@@ -452,26 +461,30 @@ class DenseRetriever(Retriever):
         else:
             uniq, inverse = torch.unique(flat, return_inverse=True)
             texts = [self.passages[i].contents for i in uniq.tolist()]
-            emb = self.encode_passages(texts, query_encoder)[inverse.to(self.device)]
+            emb = self.encode_passages(texts, query_encoder, passage_encoder)[inverse.to(self.device)]
         return emb.reshape(*rows.shape, -1)
 
     def score(
-        self, queries: list[str], rows: torch.Tensor, query_encoder: nn.Module | None = None
+        self, queries: list[str], rows: torch.Tensor, query_encoder: nn.Module | None = None,
+        passage_encoder: nn.Module | None = None,
     ) -> torch.Tensor:
         """``[Q, K]`` float32 inner products ``q_i · p_{rows[i, j]}``; ``-inf`` where ``rows`` is -1.
 
         Differentiable w.r.t. the query tower (``query_encoder`` or φ), and w.r.t. the passage tower
-        when it trains. On the query tower's device. Uses the towers' current train/eval mode.
+        when it trains (``passage_encoder``, a copy of the trainable one such as ψ's, or the retriever's own).
+        On the query tower's device. Uses the towers' current train/eval mode.
         """
         self._check_rows(queries, rows)
         tower = query_encoder if query_encoder is not None else self._query_tower
-        return self._pair_scores(tower(queries), rows, query_encoder)
+        return self._pair_scores(tower(queries), rows, query_encoder, passage_encoder)
 
     def _pair_scores(
-        self, q: torch.Tensor, rows: torch.Tensor, query_encoder: nn.Module | None = None
+        self, q: torch.Tensor, rows: torch.Tensor, query_encoder: nn.Module | None = None,
+        passage_encoder: nn.Module | None = None,
     ) -> torch.Tensor:
         """``[Q, K]`` inner products of query embeddings ``q`` ``[Q, D]`` with passages ``rows`` ``[Q, K]``."""
-        return inner_products(q, self._passage_embeddings(rows, query_encoder).to(q.device), rows)
+        passages = self._passage_embeddings(rows, query_encoder, passage_encoder)
+        return inner_products(q, passages.to(q.device), rows)
 
     def search(self, queries: list[str], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-``k`` ``(scores [Q, k] float32, rows [Q, k] int64)`` on CPU, eval mode, no grad.

@@ -172,17 +172,19 @@ def gradient_split(total: Sequence[torch.Tensor | None], first: Sequence[torch.T
     did not reach).
 
     Returns ``bridge/grad_norm_rl`` ‖g_F‖, ``bridge/grad_norm_coupling`` ‖g_C‖ = ‖total − first‖ and
-    ``bridge/cos_step_rl`` cos(g_F + g_C, g_F) (nan when either vector is 0), norms in gradient units, summed in
-    float64.
+    ``bridge/cos_step_rl`` cos(g_F + g_C, g_F) (nan when either vector is 0), norms in gradient units (float32 per
+    tensor, summed over tensors in float64).
     """
     ff = tt = tf = cc = 0.0
     for t, f in zip(total, first, strict=True):
-        t = torch.zeros(()) if t is None else t.detach().double()
-        f = torch.zeros(()) if f is None else f.detach().double()
-        ff += float((f * f).sum())
-        tt += float((t * t).sum())
-        tf += float((t * f).sum())
-        cc += float(((t - f) ** 2).sum())
+        if t is None and f is None:
+            continue
+        t = (torch.zeros_like(f) if t is None else t).detach().flatten().float()
+        f = (torch.zeros_like(t) if f is None else f).detach().flatten().float()
+        ff += float(f @ f)
+        tt += float(t @ t)
+        tf += float(t @ f)
+        cc += float(torch.linalg.vector_norm(t - f)) ** 2
     cosine = tf / math.sqrt(tt * ff) if tt > 0 and ff > 0 else float("nan")
     return {"bridge/grad_norm_rl": math.sqrt(ff), "bridge/grad_norm_coupling": math.sqrt(cc),
             "bridge/cos_step_rl": cosine}
@@ -190,7 +192,7 @@ def gradient_split(total: Sequence[torch.Tensor | None], first: Sequence[torch.T
 
 def parameter_distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """‖a − b‖ over matched parameter lists (e.g. φ and ψ), the square root of the summed squared differences."""
-    return math.sqrt(sum(float(((x.detach().double() - y.detach().double()) ** 2).sum())
+    return math.sqrt(sum(float(torch.linalg.vector_norm(x.detach().float() - y.detach().float())) ** 2
                          for x, y in zip(a, b, strict=True)))
 
 

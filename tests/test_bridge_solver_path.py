@@ -20,11 +20,11 @@ BASE = ("--model.mode=bridge", "--data.reward=plugins.DistinctWordsReward", "--d
 
 
 def rollout(module: BridgeModule, data) -> RolloutBatch:
-    """One training rollout of the tiny policy steered to search, then LoRA B ~ N(0, 0.05²) and ψ = φ + N(0, 0.05²)
-    (so that θ's gradient reaches every adapter weight and the coupling is not 0)."""
+    """One training rollout of 2 questions by the tiny policy steered to search, then LoRA B ~ N(0, 0.05²) and
+    ψ = φ + N(0, 0.05²) (so that θ's gradient reaches every adapter weight and the coupling is not 0)."""
     torch.manual_seed(0)
     with searching(module.policy):
-        batch = data.rollout(module, data.load(data.train_source), training=True, dataset="train")
+        batch = data.rollout(module, data.load(data.train_source, limit=2), training=True, dataset="train")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in module.policy.model.named_parameters():
@@ -153,3 +153,17 @@ def test_psi_has_its_own_copy_of_a_trainable_passage_tower(tmp_path):
     problem.lower_loss("psi").backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.psi_passage.parameters())
     assert all(p.grad is None for p in retriever.passage_encoder.parameters())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_credit_graph_is_kept_only_over_a_checkpointing_policy(bridge, checkpointing: bool):
+    """Uncheckpointed, a kept LM-credit graph would hold every layer's activations through the update: the coupling
+    recomputes ℓ_θ instead (``BridgeModule.keeps_credit_graph``, which the memory account records too)."""
+    module, batch = bridge
+    saved = module.policy.gradient_checkpointing
+    module.policy.gradient_checkpointing = checkpointing
+    try:
+        assert module.keeps_credit_graph is checkpointing
+        assert (module.problem(batch)._credit_graph is not None) is checkpointing
+    finally:
+        module.policy.gradient_checkpointing = saved

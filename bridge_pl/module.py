@@ -288,6 +288,11 @@ class BridgeModule(L.LightningModule):
             )
         return outcomes
 
+    @property
+    def keeps_credit_graph(self) -> bool:
+        """Whether :meth:`problem` keeps the LM-credit forward's graph for the coupling backward (its docstring)."""
+        return self.solver.uses_coupling and self.policy.gradient_checkpointing
+
     def problem(self, batch: RolloutBatch, **overrides) -> BatchLosses:
         """The losses of ``batch`` with this module's parts and settings (``overrides``: BatchLosses's keyword
         arguments, e.g. ``old_logprobs`` for a probe).
@@ -297,7 +302,7 @@ class BridgeModule(L.LightningModule):
         would hold every layer's activations for all the batch's credit tokens through the whole update, so the
         coupling recomputes ℓ_θ one token-budget group at a time instead (one more forward over the credit tokens).
         """
-        overrides.setdefault("keep_credit_graph", self.solver.uses_coupling and self.policy.gradient_checkpointing)
+        overrides.setdefault("keep_credit_graph", self.keeps_credit_graph)
         return BatchLosses(self.policy, self.retriever, self.psi, self.value_head, batch, self.rl_config,
                            self.retrieval_config, psi_passage=self.psi_passage, **overrides)
 

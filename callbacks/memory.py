@@ -138,10 +138,9 @@ def sizes(trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
             out["lora"] = {"r": lora.r, "target_modules": sorted(lora.target_modules)
                            if isinstance(lora.target_modules, (set, list)) else lora.target_modules}
     solver = getattr(pl_module, "solver", None)
-    if solver is not None:  # a coupling solver over a checkpointed policy keeps the LM-credit graph (module.problem)
+    if solver is not None:
         out["solver"] = getattr(solver, "name", None)
-        out["keeps_credit_graph"] = bool(getattr(solver, "uses_coupling", False)) and bool(
-            getattr(policy, "gradient_checkpointing", False))
+        out["keeps_credit_graph"] = bool(getattr(pl_module, "keeps_credit_graph", False))
     rl = getattr(pl_module, "rl_config", None)
     if rl is not None:
         out["micro_batch_tokens"] = rl.micro_batch_tokens

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from toy_parameters import ToyParameters
 
 from bridge_pl.bilevel import BridgeSolver, ImplicitSolver, ParamUpdate, Updates
 
@@ -13,7 +14,7 @@ X_STAR = torch.tensor([0.776841, -1.429095], dtype=torch.float64)
 HYPERGRAD_AT_0 = torch.tensor([0.571429, 1.428571], dtype=torch.float64)
 
 
-class ToyProblem:
+class ToyProblem(ToyParameters):
     """x = θ (upper), y = φ, z = ψ. G = ½yᵀHy − yᵀBx, F = ½‖y − c‖² + ½μ‖x‖²."""
 
     def __init__(self) -> None:
@@ -23,18 +24,6 @@ class ToyProblem:
 
     def _g(self, x, y):
         return 0.5 * y @ H @ y - y @ B @ x
-
-    def policy_parameters(self):
-        return [self.x]
-
-    def phi_parameters(self):
-        return [self.y]
-
-    def psi_parameters(self):
-        return [self.z]
-
-    def signal_minibatches(self):
-        return [0]
 
     def policy_loss(self):
         return 0.5 * ((self.y.detach() - C) ** 2).sum() + 0.5 * MU * (self.x**2).sum()

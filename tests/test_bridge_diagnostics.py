@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from toy_parameters import ToyParameters
 
 from bridge_pl.bilevel import BridgeSolver, ParamUpdate, Updates, gradient_split, make_solver, parameter_distance
 from bridge_pl.config import SolverConfig
@@ -14,7 +15,7 @@ G_F = torch.tensor([3.0, 0.0], dtype=torch.float64)  # θ-gradient of the toy's 
 C = torch.tensor([0.0, 4.0], dtype=torch.float64)  # θ-gradient of the toy's coupling per unit of λ
 
 
-class LinearToy:
+class LinearToy(ToyParameters):
     """θ = x, φ = y, ψ = z. F = G_F·x (or ``policy_value`` when set, e.g. inf), coupling λ C·x, G = ‖·‖²."""
 
     def __init__(self, policy_value: float | None = None) -> None:
@@ -23,18 +24,6 @@ class LinearToy:
         self.z = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
         self.policy_value = policy_value
         self.coupling_lams: list[float] = []
-
-    def policy_parameters(self):
-        return [self.x]
-
-    def phi_parameters(self):
-        return [self.y]
-
-    def psi_parameters(self):
-        return [self.z]
-
-    def signal_minibatches(self):
-        return [0]
 
     def policy_loss_parts(self, minibatch=None):
         loss = G_F @ self.x

@@ -47,7 +47,8 @@ def test_memory_account_reports_every_phase_of_a_fit(tmp_path):
           "--trainer.callbacks.targets=[retriever]", "--trainer.callbacks.slice_points=3",
           "--trainer.callbacks.grid_points=2", "--trainer.callbacks.power_iters=1", "--trainer.callbacks.pl_steps=1",
           "--trainer.callbacks+=callbacks.ValidatedCheckpoint", "--trainer.callbacks.every_n_train_steps=2",
-          "--trainer.callbacks+=callbacks.MemoryAccount", f"--trainer.callbacks.path={path}"])
+          "--trainer.callbacks+=callbacks.MemoryAccount", f"--trainer.callbacks.path={path}",
+          "--trainer.callbacks+=callbacks.ReleaseHeap"])  # a user's fit with the trimming callback on
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     records, sizes = lines[:-1], lines[-1]["sizes"]
     assert {r["phase"] for r in records} == set(PHASES)
